@@ -1,0 +1,59 @@
+"""Engine configuration: small frozen dataclasses, validated once where they are built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SpecMethod = Literal["none", "draft", "ngram"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: SpecMethod = "none"
+    num_speculative_tokens: int = 4  # k: the most tokens proposed per request per step
+    draft_model: str | None = None  # path, GGUF file, hub id or "bundled:<name>"
+    ngram_min: int = 1
+    ngram_max: int = 4
+    # Speculation stops paying once the batch is large enough that a verify pass is compute-bound:
+    # above this many running requests every request decodes plainly (0 = never disable).
+    disable_by_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("none", "draft", "ngram"):
+            raise ValueError(f"speculative method must be none, draft or ngram, not {self.method!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs a draft_model")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.num_speculative_tokens > 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # path, GGUF file, hub id or "bundled:<name>"
+    tokenizer: str | None = None  # defaults to the model's own
+    device: str = "cpu"
+    dtype: Dtype = "bfloat16"
+    block_size: int = 16
+    kv_cache_gib: float = 2.0  # KV pool size on CPU (target and draft together)
+    gpu_memory_utilization: float = 0.85  # on CUDA: fraction of free memory for the KV pool
+    max_model_len: int | None = None  # defaults to the model's context window
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill above it)
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads on CPU
+    seed: int = 0
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be > 0")

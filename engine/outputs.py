@@ -1,0 +1,108 @@
+"""Typed values the engine hands to its callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass
+class SpecStats:
+    """Speculative accounting for one request (cumulative) or one step."""
+
+    num_drafts: int = 0  # verify passes that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # index = draft position
+    num_emitted_tokens: int = 0
+
+    def add(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_emitted_tokens += other.num_emitted_tokens
+        if len(self.accepted_per_pos) < len(other.accepted_per_pos):
+            pad = len(other.accepted_per_pos) - len(self.accepted_per_pos)
+            self.accepted_per_pos.extend([0] * pad)
+        for pos, n in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[pos] += n
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """1 + accepted per draft pass: tokens each verify pass yields (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def summary(self) -> dict[str, float | int | None]:
+        return {
+            "num_drafts": self.num_drafts,
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    prefill_done: float | None = None  # same as first_token: the prompt is fully computed
+    finished: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request: a delta, plus running totals."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    spec: SpecStats
+    times: RequestTimes
+    step_time: float  # monotonic time when this delta was produced
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only; first is None
+    prompt_token_ids: list[int] | None = None  # first output only
+
+
+@dataclass
+class StepStats:
+    """What one engine step did, for the metrics exporter."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    num_prompt_tokens: int  # prompt tokens computed this step
+    num_generation_tokens: int  # tokens emitted this step
+    spec: SpecStats
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int
+    num_preemptions: int

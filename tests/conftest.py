@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny random models built once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny import make_tiny_model  # noqa: E402
+
+# The CPU is shared; one thread keeps tiny-model tests cheap and deterministic.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer qwen2-family model (seed 0) with the tiny tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_model"), family="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-layer draft of the same family and tokenizer, different weights (seed 1)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny_draft"), family="qwen2", seed=1, num_layers=1
+    )

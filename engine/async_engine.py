@@ -122,6 +122,8 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await stream.get()
+                if isinstance(item, ValueError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(str(item)) from item
                 finished = item.finished
@@ -166,11 +168,17 @@ class AsyncLLM:
                 return
             if isinstance(command, _Add):
                 if command.request_id in self._streams:
-                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                    self._add(command)
             else:
                 output = self.engine.abort(command.request_id)
                 if output is not None:
                     self._publish([output])
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+        except ValueError as exc:  # a bad request fails alone; the loop lives on
+            self._deliver(command.request_id, exc)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

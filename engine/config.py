@@ -43,6 +43,7 @@ class EngineConfig:
     dtype: Dtype = "bfloat16"
     block_size: int = 16
     kv_cache_gib: float = 2.0  # KV pool size on CPU (target and draft together)
+    num_kv_blocks: int | None = None  # exact pool size in blocks; overrides the memory budget
     gpu_memory_utilization: float = 0.85  # on CUDA: fraction of free memory for the KV pool
     max_model_len: int | None = None  # defaults to the model's context window
     max_num_seqs: int = 16

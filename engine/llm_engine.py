@@ -296,6 +296,8 @@ class LLMEngine:
 
     def _num_kv_blocks(self) -> int:
         """Target and draft share block ids, so one block costs both pools' bytes."""
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
         per_block = sum(runner.kv_bytes_per_block for runner in self._runners())
         budget = self.config.kv_cache_gib * (1 << 30)
         if self.config.device.startswith("cuda"):

@@ -1,0 +1,60 @@
+# specserve: OpenAI-compatible speculative-decoding server.
+#
+# CPU (default):  docker build -t specserve .
+# Bake the bundled models (~1.6 GB) into the image:
+#                 docker build --build-arg FETCH_MODELS=1 -t specserve .
+# CUDA:           docker build \
+#                   --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#                   --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t specserve:cuda .
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+ARG FETCH_MODELS=0
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    SPECSERVE_CACHE=/models
+
+# CUDA base images come without Python; python:*-slim already has it.
+RUN if ! command -v python3 >/dev/null; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && python3 -m venv /opt/venv \
+    && useradd --create-home --uid 1000 --shell /usr/sbin/nologin specserve \
+    && mkdir -p /models && chown specserve:specserve /models
+
+WORKDIR /app
+
+# Dependencies first (their layer survives source edits): torch from the PyTorch index,
+# everything else pinned by requirements.lock (its torch line names the CPU wheel, so drop it).
+COPY pyproject.toml requirements.lock ./
+RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" \
+    && grep -v '^torch==' requirements.lock > /tmp/constraints.txt \
+    && python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/deps.txt \
+    && pip install -c /tmp/constraints.txt -r /tmp/deps.txt
+
+COPY README.md ./
+COPY engine ./engine
+COPY server ./server
+COPY bench ./bench
+COPY configs ./configs
+RUN pip install --no-deps . && rm -rf build *.egg-info
+
+USER specserve
+
+# Models live in /models (SPECSERVE_CACHE): baked in here, or a mounted volume that the
+# server fills on first start (`bundled:` models are fetched when missing).
+RUN if [ "${FETCH_MODELS}" = "1" ]; then specserve models fetch; fi
+
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"
+
+CMD ["specserve", "serve", "--config", "configs/default.yaml", "--host", "0.0.0.0"]

@@ -1,0 +1,225 @@
+"""Dockerfile, compose, Prometheus, Grafana and configs/*.yaml: what can be checked without Docker."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+DASHBOARD = ROOT / "configs" / "grafana" / "dashboards" / "specserve.json"
+
+from server.settings import Settings  # noqa: E402
+
+SETTINGS_KEYS = set(Settings.model_fields)
+
+
+def _yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return _yaml(ROOT / "docker-compose.yml")
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text()
+
+
+# --- docker-compose.yml ----------------------------------------------------------------
+
+
+def test_compose_services(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert set(services) == {"specserve", "prometheus", "grafana"}
+    assert services["specserve"]["build"]["context"] == "."
+    assert "FETCH_MODELS" in services["specserve"]["build"]["args"]
+    assert services["prometheus"]["depends_on"] == ["specserve"]
+    assert services["grafana"]["depends_on"] == ["prometheus"]
+
+
+@pytest.mark.parametrize(
+    ("service", "port"), [("specserve", 8000), ("prometheus", 9090), ("grafana", 3000)]
+)
+def test_compose_ports(compose: dict[str, Any], service: str, port: int) -> None:
+    assert f"{port}:{port}" in compose["services"][service]["ports"]
+
+
+def _mounts(compose: dict[str, Any], service: str) -> dict[str, str]:
+    """container path -> host path or named volume."""
+    out = {}
+    for spec in compose["services"][service]["volumes"]:
+        source, target = spec.split(":")[:2]
+        out[target] = source
+    return out
+
+
+def test_compose_volumes(compose: dict[str, Any]) -> None:
+    named = set(compose["volumes"])
+    models = _mounts(compose, "specserve")["/models"]
+    assert models in named
+    assert compose["services"]["specserve"]["environment"]["SPECSERVE_CACHE"] == "/models"
+    prom = _mounts(compose, "prometheus")
+    assert prom["/etc/prometheus/prometheus.yml"] == "./configs/prometheus.yml"
+    graf = _mounts(compose, "grafana")
+    assert graf["/etc/grafana/provisioning"] == "./configs/grafana/provisioning"
+    assert graf["/var/lib/grafana/dashboards"] == "./configs/grafana/dashboards"
+    for mounts in (prom, graf):
+        for source in mounts.values():
+            assert source in named or (ROOT / source).exists(), source
+
+
+# --- Prometheus and Grafana -------------------------------------------------------------
+
+
+def test_prometheus_scrapes_the_server(compose: dict[str, Any]) -> None:
+    jobs = _yaml(ROOT / "configs" / "prometheus.yml")["scrape_configs"]
+    job = next(j for j in jobs if j["job_name"] == "specserve")
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    published = compose["services"]["specserve"]["ports"][0].split(":")[-1]
+    assert job["static_configs"][0]["targets"] == [f"specserve:{published}"]
+
+
+def test_grafana_provisioning_points_at_prometheus_and_dashboards(compose: dict[str, Any]) -> None:
+    prov = ROOT / "configs" / "grafana" / "provisioning"
+    (source,) = _yaml(prov / "datasources" / "prometheus.yml")["datasources"]
+    assert source["type"] == "prometheus"
+    assert source["url"] == "http://prometheus:9090"
+    (provider,) = _yaml(prov / "dashboards" / "specserve.yml")["providers"]
+    assert provider["options"]["path"] in _mounts(compose, "grafana")
+    uids = {t["datasource"]["uid"] for p in _panels() for t in p["targets"]}
+    assert uids == {source["uid"]}
+
+
+def _panels() -> list[dict[str, Any]]:
+    return list(json.loads(DASHBOARD.read_text())["panels"])
+
+
+def _queried_metrics() -> set[str]:
+    exprs = [t["expr"] for p in _panels() for t in p["targets"]]
+    names = {m for e in exprs for m in re.findall(r"specserve:[a-zA-Z_:]+", e)}
+    return {re.sub(r"_(bucket|sum|count)$", "", n) for n in names}
+
+
+def test_dashboard_queries_only_exported_metrics() -> None:
+    from server.metrics import METRIC_NAMES
+
+    queried = _queried_metrics()
+    assert queried - set(METRIC_NAMES) == set()
+
+
+def test_dashboard_shows_the_issue_panels() -> None:
+    wanted = {
+        "specserve:spec_decode_num_accepted_tokens_total",
+        "specserve:spec_decode_num_draft_tokens_total",
+        "specserve:spec_decode_num_drafts_total",
+        "specserve:spec_decode_num_accepted_tokens_per_pos_total",
+        "specserve:time_to_first_token_seconds",
+        "specserve:inter_token_latency_seconds",
+        "specserve:generation_tokens_total",
+        "specserve:num_requests_running",
+        "specserve:num_requests_waiting",
+        "specserve:kv_cache_usage_perc",
+    }
+    assert wanted <= _queried_metrics()
+    exprs = " ".join(t["expr"] for p in _panels() for t in p["targets"])
+    for q in ("0.5", "0.9", "0.99"):
+        assert f"histogram_quantile({q}," in exprs
+    assert len({p["id"] for p in _panels()}) == len(_panels())
+
+
+# --- Dockerfile -------------------------------------------------------------------------
+
+
+def _instructions(dockerfile: str) -> list[str]:
+    joined = re.sub(r"\\\n", " ", dockerfile)
+    return [ln.strip() for ln in joined.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def test_dockerfile_essentials(dockerfile: str) -> None:
+    lines = _instructions(dockerfile)
+    keywords = [ln.split()[0] for ln in lines]
+    assert keywords[0] == "ARG" and lines[0].startswith("ARG BASE_IMAGE=python:3.11-slim")
+    assert "FROM ${BASE_IMAGE}" in lines
+    for arg in ("TORCH_INDEX=https://download.pytorch.org/whl/cpu", "TORCH_VERSION=2.13.0",
+                "FETCH_MODELS=0"):  # fmt: skip
+        assert f"ARG {arg}" in lines
+    user = [ln for ln in lines if ln.startswith("USER ")]
+    assert user and user[-1] != "USER root"
+    health = next(ln for ln in lines if ln.startswith("HEALTHCHECK"))
+    assert "/health" in health
+    cmd = json.loads(next(ln for ln in lines if ln.startswith("CMD "))[4:])
+    assert cmd == ["specserve", "serve", "--config", "configs/default.yaml", "--host", "0.0.0.0"]
+
+
+def test_dockerfile_copies_what_the_package_needs(dockerfile: str) -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = [p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]]
+    copied = {ln.split()[1] for ln in _instructions(dockerfile) if ln.startswith("COPY ")}
+    for needed in (*packages, "configs", project["project"]["readme"]):
+        assert needed in copied, needed
+        assert (ROOT / needed).exists(), needed
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert not set(ignored) & copied
+
+
+# --- configs/*.yaml ---------------------------------------------------------------------
+
+
+def test_there_are_the_three_configs() -> None:
+    assert {p.name for p in CONFIGS} >= {"default.yaml", "ngram.yaml", "cpu-small.yaml"}
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPECSERVE_* variables of the developer's shell must not leak into the settings."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SPECSERVE_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_validates_with_the_server_settings(path: Path, clean_env: None) -> None:
+    data = _yaml(path)
+    assert isinstance(data, dict) and set(data) <= SETTINGS_KEYS, set(data) - SETTINGS_KEYS
+    dumped = Settings.load(path).model_dump()
+    assert {key: dumped[key] for key in data} == data
+
+
+def test_default_config_is_the_bundled_pair(clean_env: None) -> None:
+    from engine import bundled
+
+    settings = Settings.load(ROOT / "configs" / "default.yaml")
+    assert settings.speculative_method == "draft"
+    for model in (settings.model, settings.draft_model):
+        assert model is not None and model.startswith("bundled:")
+        bundled.lookup(model)
+    assert set(_yaml(ROOT / "configs" / "default.yaml")) == SETTINGS_KEYS
+
+
+def test_settings_reject_unknown_keys(tmp_path: Path, clean_env: None) -> None:
+    from server.settings import SettingsError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: bundled:qwen2.5-coder-0.5b-instruct\nnum_speculative_tokns: 3\n")
+    with pytest.raises(SettingsError, match="num_speculative_tokns"):
+        Settings.load(bad)
+
+
+def test_readme_documents_every_setting() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for key in SETTINGS_KEYS:
+        assert f"`{key}`" in readme, key
+        assert f"SPECSERVE_{key.upper()}" in readme or "SPECSERVE_<KEY>" in readme
+        assert f"--{key.replace('_', '-')}" in readme, key

@@ -120,9 +120,10 @@ class LLMEngine:
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, per):
             self.add_request(rid, prompt, p)
-        while any(not self.seqs[rid].is_finished for rid in ids):
+        seqs = [self.seqs[rid] for rid in ids]
+        while any(not seq.is_finished for seq in seqs):
             self.step()
-        return [self.seqs.pop(rid) for rid in ids]
+        return seqs
 
     # ---- the speculative step --------------------------------------------------------------
 

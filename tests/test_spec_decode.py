@@ -1,0 +1,145 @@
+"""Speculative decoding is lossless: greedy output equals plain greedy; sampling keeps the distribution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from engine.config import SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_model_dir: Path) -> int:
+    return hf_model(tiny_model_dir).config.vocab_size
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir: Path) -> LLMEngine:
+    return make_engine(tiny_model_dir)
+
+
+def _spec_engine(kind: str, model: Path, draft: Path, k: int = 4) -> LLMEngine:
+    if kind == "ngram":
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3)
+    else:
+        spec = SpeculativeConfig(method="draft", num_speculative_tokens=k,
+                                 draft_model=str(model if kind == "self-draft" else draft))
+    return make_engine(model, speculative=spec)
+
+
+def _repetitive_prompts(n: int, vocab: int) -> list[list[int]]:
+    """Prompts with repeats, so n-gram lookup finds matches (and some misses)."""
+    base = random_prompts(n, (4, 12), vocab, seed=31)
+    return [p * 3 + p[:2] for p in base]
+
+
+@pytest.mark.parametrize("kind", ["draft", "self-draft", "ngram"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_speculation_equals_plain(kind: str, batch: int, plain: LLMEngine, tiny_model_dir: Path,
+                                         tiny_draft_dir: Path, vocab: int) -> None:
+    engine = _spec_engine(kind, tiny_model_dir, tiny_draft_dir)
+    prompts = _repetitive_prompts(batch, vocab) if kind == "ngram" else random_prompts(batch, (3, 30), vocab, 41)
+    ks = [None, 0, 1, 2, 3, 4, 2, None][:batch]  # mixed k per request, including 0 (plain)
+    params = [greedy(MAX_TOKENS, num_speculative_tokens=k) for k in ks]
+    spec_seqs = engine.generate(prompts, params)
+    assert [s.output_token_ids for s in spec_seqs] == outputs(plain, prompts, greedy(MAX_TOKENS))
+    drafted = sum(s.spec.num_draft_tokens for s in spec_seqs)
+    accepted = sum(s.spec.num_accepted_tokens for s in spec_seqs)
+    assert drafted > 0
+    if kind == "self-draft":
+        assert accepted == drafted  # the target drafting for itself is always right
+    for seq, k in zip(spec_seqs, ks):
+        if k == 0:
+            assert seq.spec.num_draft_tokens == 0
+    assert engine.block_manager.usage == 0.0
+
+
+@pytest.mark.parametrize("kind", ["self-draft", "ngram"])
+def test_stops_inside_accepted_runs(kind: str, plain: LLMEngine, tiny_model_dir: Path,
+                                    tiny_draft_dir: Path, vocab: int) -> None:
+    engine = _spec_engine(kind, tiny_model_dir, tiny_draft_dir, k=4)
+    prompts = _repetitive_prompts(4, vocab)
+    refs = outputs(plain, prompts, greedy(MAX_TOKENS))
+    for prompt, ref in zip(prompts, refs):
+        stop_token = ref[6]
+        cut = ref.index(stop_token) + 1
+        seq = engine.generate([prompt], greedy(MAX_TOKENS, stop_token_ids=(stop_token,)))[0]
+        assert seq.output_token_ids == ref[:cut] and seq.finish_reason == "stop"
+        seq = engine.generate([prompt], greedy(5))[0]  # max_tokens inside a run
+        assert seq.output_token_ids == ref[:5] and seq.finish_reason == "length"
+    assert engine.block_manager.usage == 0.0
+
+
+def test_greedy_speculation_with_chunked_prefill_and_preemption(tiny_model_dir: Path, tiny_draft_dir: Path,
+                                                                  plain: LLMEngine, vocab: int) -> None:
+    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model=str(tiny_draft_dir))
+    engine = make_engine(tiny_model_dir, speculative=spec, num_kv_blocks=24, max_num_batched_tokens=9)
+    prompts = random_prompts(4, (15, 30), vocab, seed=43)
+    assert outputs(engine, prompts, greedy(MAX_TOKENS)) == outputs(plain, prompts, greedy(MAX_TOKENS))
+    assert engine.block_manager.num_free_blocks == 24
+
+
+# ---- sampling: the first two tokens keep the target's distribution ------------------------------
+
+TEMPERATURE = 1.5
+NUM_SAMPLES = 2000
+
+
+def _exact_pair_probs(model_dir: Path, prompt: list[int]) -> np.ndarray:
+    """P(t1, t2) under the target at TEMPERATURE, computed exactly from transformers' logits."""
+    model = hf_model(model_dir)
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / TEMPERATURE, -1)
+        vocab = first.shape[0]
+        batch = torch.tensor([prompt + [t] for t in range(vocab)])
+        second = torch.softmax(model(batch).logits[:, -1] / TEMPERATURE, -1)
+    return (first[:, None] * second).double().numpy()  # [vocab, vocab]
+
+
+def _sample_pairs(engine: LLMEngine, prompt: list[int]) -> tuple[list[tuple[int, int]], int]:
+    """NUM_SAMPLES two-token samples, and how many draft tokens were verified on the way."""
+    params = [SamplingParams(max_tokens=2, temperature=TEMPERATURE, seed=s, ignore_eos=True)
+              for s in range(NUM_SAMPLES)]
+    seqs = engine.generate([prompt] * NUM_SAMPLES, params)
+    pairs = [(s.output_token_ids[0], s.output_token_ids[1]) for s in seqs]
+    return pairs, sum(s.spec.num_draft_tokens for s in seqs)
+
+
+def _chi_square_pvalue(pairs: list[tuple[int, int]], probs: np.ndarray) -> float:
+    flat = probs.ravel()
+    order = np.argsort(flat)[::-1]
+    cells = [c for c in order if flat[c] * len(pairs) >= 5][:200]  # cells with enough expected mass
+    index = {c: i for i, c in enumerate(cells)}
+    observed = np.zeros(len(cells) + 1)
+    vocab = probs.shape[1]
+    for t1, t2 in pairs:
+        observed[index.get(t1 * vocab + t2, len(cells))] += 1
+    expected = np.append(flat[cells], 1 - flat[cells].sum()) * len(pairs)
+    return float(stats.chisquare(observed, expected).pvalue)
+
+
+@pytest.mark.parametrize("kind", ["none", "draft", "ngram"])
+def test_sampled_pairs_follow_target_distribution(kind: str, tiny_model_dir: Path, tiny_draft_dir: Path,
+                                                  vocab: int) -> None:
+    prompt = random_prompts(1, (6, 6), vocab, seed=47)[0]
+    prompt = prompt + prompt  # gives the n-gram proposer something to match
+    spec = {
+        "none": SpeculativeConfig(),
+        "draft": SpeculativeConfig(method="draft", num_speculative_tokens=2, draft_model=str(tiny_draft_dir)),
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=3),
+    }[kind]
+    engine = make_engine(tiny_model_dir, speculative=spec, num_kv_blocks=4096, max_num_seqs=256,
+                         max_num_batched_tokens=8192)
+    pairs, drafted = _sample_pairs(engine, prompt)
+    assert (drafted > 0) == (kind != "none")
+    assert len(set(pairs)) > 10  # not vacuous: sampling really spreads over many pairs
+    assert _chi_square_pvalue(pairs, _exact_pair_probs(tiny_model_dir, prompt)) > 1e-3

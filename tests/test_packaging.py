@@ -1,4 +1,4 @@
-"""Dockerfile, compose, Prometheus, Grafana and configs/*.yaml: what can be checked without Docker."""
+"""Dockerfile, compose, Prometheus, Grafana and configs/*.yaml, checked without a Docker engine."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def make_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(path)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    eos_id = int(tokenizer.convert_tokens_to_ids(EOS))  # type: ignore[arg-type]
     config = tiny_config(
         family,
         vocab_size=len(tokenizer),

@@ -1,0 +1,203 @@
+"""Paged attention over a block-addressed KV pool: one SDPA call per layer per request group.
+
+K/V for position p of a request lives at slot `block_table[p // block_size] * block_size +
+p % block_size`. A forward writes its new tokens' K/V at their slots, then gathers each
+request's whole context through its block table into a padded batch and runs SDPA with a
+causal + padding mask. Requests are grouped so that one long prefill chunk does not pad every
+single-token decode in the batch up to its length: short queries (decodes, k+1 verify queries)
+share one group, each long query gets its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Queries up to this many tokens (decodes, speculative verify queries) are batched together.
+SHORT_QUERY_MAX = 16
+
+
+@dataclass(frozen=True)
+class RequestSpan:
+    """One request of a ragged batch, as the attention sees it."""
+
+    start_pos: int  # tokens already in the KV cache
+    num_tokens: int  # new tokens in this pass
+    block_table: Sequence[int]
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Requests whose queries are padded into one SDPA call; their tokens are contiguous."""
+
+    token_start: int  # first flat token of the group
+    token_end: int
+    batch: int  # requests in the group
+    max_query_len: int
+    block_tables: torch.Tensor  # [batch, max_blocks] int64, padded with block 0
+    mask: torch.Tensor | None  # [batch, 1, max_query_len, max_blocks * block_size] bool
+    query_index: torch.Tensor | None  # [group_tokens] int64 rows of the padded query; None = dense
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Built once per forward and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    groups: tuple[AttentionGroup, ...]
+    block_size: int
+
+    @classmethod
+    def build(
+        cls, spans: Sequence[RequestSpan], block_size: int, device: torch.device
+    ) -> AttentionMetadata:
+        slots = [_slots(span, block_size) for span in spans]
+        slot_mapping = torch.tensor([s for ss in slots for s in ss], dtype=torch.int64)
+        groups = []
+        token_start = 0
+        for run in _group_runs(spans):
+            groups.append(_build_group(run, token_start, block_size, device))
+            token_start += sum(span.num_tokens for span in run)
+        return cls(slot_mapping.to(device, non_blocking=True), tuple(groups), block_size)
+
+
+def _slots(span: RequestSpan, block_size: int) -> list[int]:
+    table = span.block_table
+    return [
+        table[p // block_size] * block_size + p % block_size
+        for p in range(span.start_pos, span.context_len)
+    ]
+
+
+def _group_runs(spans: Sequence[RequestSpan]) -> list[list[RequestSpan]]:
+    """Split the batch (in order) into runs: short queries together, each long query alone."""
+    runs: list[list[RequestSpan]] = []
+    short: list[RequestSpan] = []
+    for span in spans:
+        if span.num_tokens <= SHORT_QUERY_MAX:
+            short.append(span)
+            continue
+        if short:
+            runs.append(short)
+            short = []
+        runs.append([span])
+    if short:
+        runs.append(short)
+    return runs
+
+
+def _build_group(
+    run: list[RequestSpan], token_start: int, block_size: int, device: torch.device
+) -> AttentionGroup:
+    max_q = max(span.num_tokens for span in run)
+    max_blocks = max(-(-span.context_len // block_size) for span in run)
+    tables = torch.zeros(len(run), max_blocks, dtype=torch.int64)
+    for b, span in enumerate(run):
+        n = -(-span.context_len // block_size)
+        tables[b, :n] = torch.tensor(span.block_table[:n], dtype=torch.int64)
+    num_tokens = sum(span.num_tokens for span in run)
+    return AttentionGroup(
+        token_start=token_start,
+        token_end=token_start + num_tokens,
+        batch=len(run),
+        max_query_len=max_q,
+        block_tables=tables.to(device, non_blocking=True),
+        mask=_mask(run, max_q, max_blocks * block_size, device),
+        query_index=_query_index(run, max_q, device),
+    )
+
+
+def _mask(
+    run: list[RequestSpan], max_q: int, kv_len: int, device: torch.device
+) -> torch.Tensor | None:
+    """Query j of a request sees keys [0, start_pos + j]; padded query rows see key 0 only."""
+    if len(run) == 1 and run[0].num_tokens == 1 and run[0].context_len == kv_len:
+        return None
+    start = torch.tensor([span.start_pos for span in run], dtype=torch.int64)
+    qlen = torch.tensor([span.num_tokens for span in run], dtype=torch.int64)
+    j = torch.arange(max_q)
+    last_key = start[:, None] + j[None, :]  # [batch, max_q]
+    last_key = torch.where(j[None, :] < qlen[:, None], last_key, 0)
+    keys = torch.arange(kv_len)
+    mask = keys[None, None, :] <= last_key[:, :, None]  # [batch, max_q, kv_len]
+    return mask[:, None].to(device, non_blocking=True)
+
+
+def _query_index(run: list[RequestSpan], max_q: int, device: torch.device) -> torch.Tensor | None:
+    if all(span.num_tokens == max_q for span in run):
+        return None
+    index = [b * max_q + j for b, span in enumerate(run) for j in range(span.num_tokens)]
+    return torch.tensor(index, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    outs = [_group_attention(q, k_cache, v_cache, g, scale) for g in meta.groups]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _group_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:  # [group_tokens, num_heads * head_dim]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    qg = _pad_queries(q[group.token_start : group.token_end], group)  # [B, Q, heads, dim]
+    keys = _gather(k_cache, group.block_tables)  # [B, kv_heads, L, dim]
+    values = _gather(v_cache, group.block_tables)
+    out = F.scaled_dot_product_attention(
+        qg.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=group.mask,
+        scale=scale,
+        enable_gqa=keys.shape[1] != num_heads,
+    )  # [B, heads, Q, dim]
+    out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)
+    return out if group.query_index is None else out[group.query_index]
+
+
+def _pad_queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """[group_tokens, heads, dim] -> [batch, max_query_len, heads, dim]."""
+    if group.query_index is None:
+        return q.view(group.batch, group.max_query_len, *q.shape[1:])
+    padded = q.new_zeros(group.batch * group.max_query_len, *q.shape[1:])
+    padded.index_copy_(0, group.query_index, q)
+    return padded.view(group.batch, group.max_query_len, *q.shape[1:])
+
+
+def _gather(
+    cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, dim]
+    block_tables: torch.Tensor,  # [batch, max_blocks]
+) -> torch.Tensor:  # [batch, kv_heads, max_blocks * block_size, dim]
+    batch = block_tables.shape[0]
+    blocks = cache[block_tables]  # [batch, max_blocks, block_size, kv_heads, dim]
+    return blocks.view(batch, -1, *cache.shape[2:]).transpose(1, 2)

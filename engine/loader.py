@@ -1,0 +1,159 @@
+"""Load config, tokenizer and weights from a folder, a `.gguf`, a hub id or `bundled:NAME`.
+
+Every source ends up as a local folder of config + tokenizer + safetensors. A GGUF file is
+dequantized once (slow for a 1.5B model) into a bfloat16 safetensors folder under
+`$SPECSERVE_CACHE/converted/`, keyed by the file's path, size and mtime, and read from there
+on later loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from engine.models import ARCHITECTURE_OF_MODEL_TYPE, check_supported
+
+_CONVERTED_DONE = "specserve-converted.json"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str  # the spec it was loaded from
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    weights_dir: Path  # folder holding *.safetensors with transformers parameter names
+    architecture: str  # e.g. "Qwen2ForCausalLM"
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(transformers name, tensor) pairs, read lazily one at a time."""
+        files = sorted(self.weights_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {self.weights_dir}")
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+
+    @property
+    def generation_eos_ids(self) -> list[int]:
+        """eos_token_id of generation_config.json, when the folder has one."""
+        path = self.weights_dir / "generation_config.json"
+        if not path.exists():
+            return []
+        import json
+
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _log(msg: str) -> None:
+    print(f"[specserve loader] {msg}", file=sys.stderr, flush=True)
+
+
+def load_model(spec: str) -> LoadedModel:
+    """Resolve `spec` to a local folder and read config and tokenizer (weights stay lazy)."""
+    folder = _resolve(spec)
+    return _load_folder(spec, folder)
+
+
+def _resolve(spec: str) -> Path:
+    if spec.startswith("bundled:"):
+        from engine import bundled
+
+        return _resolve(str(bundled.resolve(spec.removeprefix("bundled:"))))
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_gguf(path)
+    if path.is_dir():
+        return path
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise FileNotFoundError(f"model {spec!r}: not a model folder, .gguf file or hub id")
+    return _from_hub(spec)
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    _log(f"fetching {repo_id} from the Hugging Face hub")
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    return Path(snapshot_download(repo_id, allow_patterns=patterns))
+
+
+def architecture_of(config: PretrainedConfig) -> str:
+    names = getattr(config, "architectures", None) or []
+    if names:
+        return str(names[0])
+    model_type = getattr(config, "model_type", "")
+    return ARCHITECTURE_OF_MODEL_TYPE.get(model_type, f"<model_type {model_type!r}>")
+
+
+def _load_folder(spec: str, folder: Path) -> LoadedModel:
+    config = AutoConfig.from_pretrained(str(folder))
+    architecture = architecture_of(config)
+    check_supported(architecture)
+    _log(f"loading {spec} ({architecture}) from {folder}")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return LoadedModel(spec, config, tokenizer, folder, architecture)
+
+
+# --- GGUF ---------------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    env = os.environ.get("SPECSERVE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("specserve"))
+
+
+def _gguf_key(path: Path) -> str:
+    stat = path.stat()
+    raw = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return f"{path.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+
+
+def converted_gguf(path: Path) -> Path:
+    """The bfloat16 safetensors folder converted from `path`, converting it first if needed."""
+    out = cache_root() / "converted" / _gguf_key(path)
+    if (out / _CONVERTED_DONE).exists():
+        return out
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    check_supported(architecture_of(config))
+    _log(f"converting {path.name} to bfloat16 safetensors (once; takes a minute or more)")
+    started = time.monotonic()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    try:
+        _convert_gguf(path, tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"converted in {time.monotonic() - started:.0f}s -> {out}")
+    return out
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.bfloat16
+    )
+    model.save_pretrained(str(out))
+    del model
+    tokenizer.save_pretrained(str(out))
+    (out / _CONVERTED_DONE).write_text(f'{{"source": "{path.resolve()}"}}\n')

@@ -1,0 +1,136 @@
+"""The model runner: owns the weights and the paged KV cache tensors, runs one ragged forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from engine.attention import AttentionMetadata, RequestSpan
+from engine.loader import LoadedModel
+from engine.models import build_decoder
+from engine.models.decoder import DecoderModel, KVCache
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Chat-turn terminators that end generation when the chat template uses them.
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+@dataclass(frozen=True)
+class ForwardInput:
+    token_ids: list[int]  # the tokens to compute this pass (new tokens only)
+    start_pos: int  # position of token_ids[0] == tokens already in the KV cache
+    block_table: list[int]  # block ids covering positions [0, start_pos + len(token_ids))
+    num_logits: int  # logits wanted for the last num_logits positions (0..len)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, device: str, dtype: str, block_size: int) -> None:
+        self.loaded = loaded
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.block_size = block_size
+        self.model = _build_model(loaded, self.device, self.dtype)
+        self.kv_caches: list[KVCache] = []
+
+    @property
+    def hf_config(self) -> PretrainedConfig:
+        return self.loaded.hf_config
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.loaded.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.shape.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        limit = int(self.hf_config.max_position_embeddings)
+        window = getattr(self.hf_config, "sliding_window", None)
+        uses_window = getattr(self.hf_config, "use_sliding_window", True)
+        # Attention here is always full: past a sliding window the model would be wrong.
+        return min(limit, int(window)) if window and uses_window else limit
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = list(self.loaded.generation_eos_ids)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        ids += _turn_end_ids(self.tokenizer)
+        return sorted(set(ids))
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        s = self.model.shape
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * element
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        s = self.model.shape
+        shape = (2, num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        self.kv_caches = []
+        for _ in range(s.num_layers):
+            kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append((kv[0], kv[1]))
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[ForwardInput]) -> torch.Tensor:
+        """-> [sum(num_logits), vocab_size] float32, in input order."""
+        if not self.kv_caches:
+            raise RuntimeError("allocate_kv_cache() before forward()")
+        inputs = [i for i in inputs if i.token_ids]
+        if not inputs:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        input_ids, positions, logit_rows = _flatten(inputs)
+        spans = [RequestSpan(i.start_pos, len(i.token_ids), i.block_table) for i in inputs]
+        meta = AttentionMetadata.build(spans, self.block_size, self.device)
+        hidden = self.model(
+            input_ids.to(self.device, non_blocking=True),
+            positions.to(self.device, non_blocking=True),
+            self.kv_caches,
+            meta,
+        )  # [num_tokens, hidden]
+        if logit_rows.numel() != hidden.shape[0]:
+            hidden = hidden[logit_rows.to(self.device, non_blocking=True)]
+        return self.model.compute_logits(hidden)
+
+
+def _flatten(inputs: list[ForwardInput]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat token ids [T], positions [T] and the rows whose logits are wanted [N]."""
+    ids: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    for inp in inputs:
+        n = len(inp.token_ids)
+        if not 0 <= inp.num_logits <= n:
+            raise ValueError(f"num_logits {inp.num_logits} not in [0, {n}]")
+        rows.extend(range(len(ids) + n - inp.num_logits, len(ids) + n))
+        ids.extend(inp.token_ids)
+        positions.extend(range(inp.start_pos, inp.start_pos + n))
+    as_long = torch.int64
+    return (
+        torch.tensor(ids, dtype=as_long),
+        torch.tensor(positions, dtype=as_long),
+        torch.tensor(rows, dtype=as_long),
+    )
+
+
+def _build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> DecoderModel:
+    with torch.device("meta"):
+        model = build_decoder(loaded.architecture, loaded.hf_config)
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(loaded.iter_weights())
+    model.init_rotary(loaded.hf_config, device)
+    return model.eval()
+
+
+def _turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    vocab = tokenizer.get_vocab()
+    return [vocab[t] for t in _TURN_END_TOKENS if t in vocab and t in template]

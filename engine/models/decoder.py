@@ -1,0 +1,274 @@
+"""The decoder-only family: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM.
+
+One module covers them all: RMSNorm, RoPE (scaling from transformers' own init functions),
+grouped-query attention with optional QKV bias (Qwen2) and q/k RMSNorm (Qwen3), a SwiGLU MLP,
+tied or untied embeddings. It runs over a flat ragged batch (`input_ids [T]`, `positions [T]`)
+with paged KV caches described by one `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.attention import AttentionMetadata, paged_attention
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [num_blocks, block_size, kv_heads, dim]
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes the module needs, read once from a transformers config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(
+        cls, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> DecoderShape:
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=qk_norm,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 and round before the weight, as the reference implementations do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary:
+    """Precomputed cos/sin tables (float32) for positions [0, max_positions)."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, device: torch.device) -> None:
+        inv_freq, scaling = _inv_freq(config, head_dim)
+        positions = torch.arange(_rope_table_len(config), dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(device)  # [max_positions, head_dim]
+        self.sin = (emb.sin() * scaling).to(device)
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, 1, head_dim]
+        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+
+
+def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        return inv_freq.float(), float(scaling)
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (base**exponents), 1.0
+
+
+def _rope_table_len(config: PretrainedConfig) -> int:
+    return int(config.max_position_embeddings)
+
+
+def apply_rope(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.shape = shape
+        out = shape.q_size + 2 * shape.kv_size
+        self.qkv_proj = nn.Linear(shape.hidden_size, out, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(shape.q_size, shape.hidden_size, bias=shape.o_bias)
+        self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
+        self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
+        self.scale = shape.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        s = self.shape
+        q, k, v = self.qkv_proj(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.intermediate_size = shape.intermediate_size
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = Attention(shape)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(shape)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# transformers parameter name suffix -> (our parameter, shard index within a fused parameter)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head = (
+            None
+            if shape.tie_word_embeddings
+            else nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        )
+        self.rotary: Rotary | None = None
+
+    def init_rotary(self, config: PretrainedConfig, device: torch.device) -> None:
+        self.rotary = Rotary(config, self.shape.head_dim, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        assert self.rotary is not None, "call init_rotary first"
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy transformers-named tensors in, fusing q/k/v and gate/up; all must be covered."""
+        params = dict(self.named_parameters())
+        pending = {name: _num_shards(name) for name in params}
+        for hf_name, tensor in weights:
+            name = self._load_one(params, hf_name, tensor)
+            if name is not None:
+                pending[name] -= 1
+        missing = sorted(name for name, left in pending.items() if left > 0)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")
+
+    def _load_one(
+        self, params: dict[str, nn.Parameter], hf_name: str, tensor: torch.Tensor
+    ) -> str | None:
+        name = hf_name.removeprefix("model.")
+        for hf_part, (ours, shard) in _FUSED.items():
+            if f".{hf_part}." in name:
+                name = name.replace(hf_part, ours)
+                _copy_shard(params[name], tensor, shard, self.shape)
+                return name
+        if name not in params:
+            if name == "lm_head.weight" or "rotary_emb" in name:
+                return None  # a tied head saved anyway; rotary buffers of old checkpoints
+            raise ValueError(f"unexpected weight {hf_name!r} for this architecture")
+        with torch.no_grad():
+            params[name].copy_(tensor)
+        return name
+
+
+def _num_shards(name: str) -> int:
+    return 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 1
+
+
+def _copy_shard(param: nn.Parameter, tensor: torch.Tensor, shard: int, shape: DecoderShape) -> None:
+    if param.shape[0] == 2 * shape.intermediate_size:
+        sizes = [shape.intermediate_size] * 2
+    else:
+        sizes = [shape.q_size, shape.kv_size, shape.kv_size]
+    start = sum(sizes[:shard])
+    with torch.no_grad():
+        param[start : start + sizes[shard]].copy_(tensor)

@@ -1,0 +1,207 @@
+"""Our forward pass against transformers' on the same weights (float32), through the paged cache."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import make_tiny_model
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from engine.loader import LoadedModel, load_model
+from engine.model_runner import ForwardInput, ModelRunner
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
+
+VARIANTS: dict[str, dict[str, object]] = {
+    "llama": dict(family="llama", tie_word_embeddings=False),
+    "llama-tied": dict(family="llama", tie_word_embeddings=True),
+    "llama3-rope": dict(family="llama", rope_parameters=LLAMA3_ROPE),
+    "qwen2": dict(family="qwen2", tie_word_embeddings=True),
+    "qwen2-untied": dict(family="qwen2", tie_word_embeddings=False),
+    "qwen2-yarn": dict(family="qwen2", rope_parameters=YARN_ROPE),
+    "qwen3": dict(family="qwen3", tie_word_embeddings=True),
+    "qwen3-untied": dict(family="qwen3", tie_word_embeddings=False),
+    "mistral": dict(family="mistral", tie_word_embeddings=False, num_kv_heads=1),
+    "mistral-mha": dict(family="mistral", tie_word_embeddings=True, num_kv_heads=4),
+}
+
+PROMPTS = [
+    "def fibonacci(n: int) -> int:\n    return n if n < 2 else fibonacci(n - 1)",
+    "naïve café 日本語 😀",
+    "Hello, world! How are you today?",
+    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox runs.",
+]
+
+
+class Pair:
+    """A tiny model loaded both ways: our runner and the transformers reference."""
+
+    def __init__(self, path: Path) -> None:
+        self.loaded: LoadedModel = load_model(str(path))
+        self.ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    def runner(self) -> ModelRunner:
+        runner = ModelRunner(self.loaded, "cpu", "float32", BLOCK_SIZE)
+        runner.allocate_kv_cache(NUM_BLOCKS)
+        return runner
+
+    def tokens(self, text: str) -> list[int]:
+        return list(self.loaded.tokenizer(text)["input_ids"])
+
+    @torch.no_grad()
+    def reference(self, token_ids: list[int]) -> torch.Tensor:  # [len, vocab]
+        return self.ref(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    path = tmp_path_factory.mktemp(f"model-{request.param}")
+    return Pair(make_tiny_model(path, **VARIANTS[request.param]))  # type: ignore[arg-type]
+
+
+def _block_tables(num_requests: int, blocks_each: int, seed: int) -> list[list[int]]:
+    """Disjoint, shuffled (non-contiguous) block ids per request."""
+    ids = list(range(NUM_BLOCKS))
+    random.Random(seed).shuffle(ids)
+    return [ids[i * blocks_each : (i + 1) * blocks_each] for i in range(num_requests)]
+
+
+def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.dtype == torch.float32
+    assert ours.shape == ref.shape
+    diff = (ours - ref).abs().max().item()
+    assert diff < ATOL, f"max abs diff {diff}"
+
+
+def test_whole_prompt_one_forward(pair: Pair) -> None:
+    runner = pair.runner()
+    ids = pair.tokens(PROMPTS[0])
+    [table] = _block_tables(1, 24, seed=0)
+    logits = runner.forward([ForwardInput(ids, 0, table, len(ids))])
+    _assert_close(logits, pair.reference(ids))
+
+
+def test_chunked_prefill(pair: Pair) -> None:
+    runner = pair.runner()
+    ids = pair.tokens(PROMPTS[0] + PROMPTS[3])
+    [table] = _block_tables(1, 40, seed=1)
+    outs, pos = [], 0
+    for size in (7, 1, 3, 20, 4, 1, 100):
+        chunk = ids[pos : pos + size]
+        outs.append(runner.forward([ForwardInput(chunk, pos, table, len(chunk))]))
+        pos += len(chunk)
+    assert pos == len(ids)
+    _assert_close(torch.cat(outs), pair.reference(ids))
+
+
+def test_num_logits_selects_last_positions(pair: Pair) -> None:
+    runner = pair.runner()
+    ids = pair.tokens(PROMPTS[2])
+    [table] = _block_tables(1, 16, seed=2)
+    logits = runner.forward([ForwardInput(ids, 0, table, 3)])
+    _assert_close(logits, pair.reference(ids)[-3:])
+    none = runner.forward([ForwardInput([ids[0]], 0, table, 0)])
+    assert none.shape == (0, runner.vocab_size)
+
+
+def test_ragged_batch(pair: Pair) -> None:
+    """Prefill chunks, single-token decodes and k+1 verify queries (start_pos > 0) in one pass."""
+    runner = pair.runner()
+    seqs = [pair.tokens(p) for p in (PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3])]
+    tables = _block_tables(len(seqs), 24, seed=3)
+    # Step 1: different prefill progress per request, one batch.
+    first = [len(seqs[0]), 3, len(seqs[2]) - 1, 9]
+    step1 = [
+        ForwardInput(s[:n], 0, t, num_logits=min(2, n))
+        for s, t, n in zip(seqs, tables, first, strict=True)
+    ]
+    out1 = runner.forward(step1)
+    # Step 2: a decode, a long prefill chunk (own attention group), a single token, a verify.
+    extra = [[11], None, [42], [7, 8, 9, 10]]
+    step2, full = [], []
+    for s, t, n, e in zip(seqs, tables, first, extra, strict=True):
+        new = s[n:] if e is None else e
+        full.append(s[:n] + new)
+        step2.append(ForwardInput(new, n, t, num_logits=len(new)))
+    assert len(step2[1].token_ids) > 16
+    out2 = runner.forward(step2)
+    refs = [pair.reference(f) for f in full]
+    want1 = [r[n - min(2, n) : n] for r, n in zip(refs, first, strict=True)]
+    want2 = [r[n:] for r, n in zip(refs, first, strict=True)]
+    _assert_close(out1, torch.cat(want1))
+    _assert_close(out2, torch.cat(want2))
+
+
+def test_overwritten_slots_roll_back(pair: Pair) -> None:
+    """A rejected draft's slot is simply overwritten by the next pass at the same position."""
+    runner = pair.runner()
+    ids = pair.tokens(PROMPTS[2])
+    [table] = _block_tables(1, 16, seed=4)
+    runner.forward([ForwardInput(ids[:-2], 0, table, 1)])
+    runner.forward([ForwardInput([5, 6, 7], len(ids) - 2, table, 3)])  # rejected drafts
+    logits = runner.forward([ForwardInput(ids[-2:], len(ids) - 2, table, 2)])
+    _assert_close(logits, pair.reference(ids)[-2:])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_matches_transformers(tiny_model_dir: Path, dtype: str) -> None:
+    """Same rounding points as transformers: in half precision the logits agree closely too."""
+    loaded = load_model(str(tiny_model_dir))
+    ids = list(loaded.tokenizer(PROMPTS[0] + PROMPTS[3])["input_ids"])
+    runner = ModelRunner(loaded, "cpu", dtype, BLOCK_SIZE)
+    runner.allocate_kv_cache(64)
+    ours = runner.forward([ForwardInput(ids, 0, list(range(64))[::-1], len(ids))])
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    assert ours.dtype == torch.float32
+    # bfloat16 vs float32 differs by ~0.5 here; a wrong rounding point shows up well above 0.05.
+    assert (ours - want).abs().max().item() < 0.05
+
+
+def test_runner_properties(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir))
+    runner = ModelRunner(loaded, "cpu", "bfloat16", 16)
+    config = loaded.hf_config
+    assert runner.vocab_size == config.vocab_size == len(loaded.tokenizer)
+    assert runner.max_model_len == config.max_position_embeddings
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_block = 2 * config.num_hidden_layers * 16 * config.num_key_value_heads * head_dim * 2
+    assert runner.kv_bytes_per_block == per_block
+    vocab = loaded.tokenizer.get_vocab()
+    assert {vocab["<|endoftext|>"], vocab["<|im_end|>"]} <= set(runner.eos_token_ids)
+    with pytest.raises(RuntimeError):
+        runner.forward([ForwardInput([1], 0, [0], 1)])
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*Qwen2ForCausalLM"):
+        load_model(str(tmp_path))
+
+
+def test_missing_model_path() -> None:
+    with pytest.raises(FileNotFoundError):
+        load_model("/nonexistent/model.gguf")

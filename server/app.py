@@ -1,0 +1,294 @@
+"""The FastAPI app: routes parse and check, `OpenAIServing` works, every error is OpenAI-shaped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.errors import APIError, bad_request, not_ready
+from server.metrics import CONTENT_TYPE, Metrics
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from server.serving import ClientDisconnected, OpenAIServing, Stream, as_api_error
+from server.settings import Settings
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncLLM
+
+logger = logging.getLogger("specserve.server")
+OPEN_PATHS = ("/health", "/metrics")
+
+
+@dataclass
+class ServerState:
+    """What the routes share; `serving` is set once the engine is loaded and started."""
+
+    settings: Settings
+    metrics: Metrics
+    engine: AsyncLLM | None = None
+    serving: OpenAIServing | None = None
+    shutting_down: bool = False
+    load_error: str | None = None
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    @property
+    def status(self) -> str:
+        if self.shutting_down:
+            return "shutting_down"
+        if self.load_error is not None:
+            return "failed"
+        if self.serving is None or self.engine is None:
+            return "loading"
+        return "ready" if self.engine.is_alive else "dead"
+
+
+def create_app(
+    engine: AsyncLLM | None,
+    settings: Settings,
+    load: Callable[[], AsyncLLM] | None = None,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The app owns the engine's life: it starts it (after `load()` in a thread if `engine` is None,
+    answering 503 meanwhile) and shuts it down."""
+    state = ServerState(settings, Metrics(settings.model_name))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if engine is not None:
+            await _attach(state, engine)
+        elif load is not None:
+            task = asyncio.create_task(_load_and_attach(state, load, on_load_error))
+            state.background.add(task)
+        yield
+        state.shutting_down = True
+        for task in state.background:
+            task.cancel()
+        if state.engine is not None:
+            await state.engine.shutdown(grace_s=settings.shutdown_grace_s)
+
+    app = FastAPI(title="specserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    _add_error_handlers(app)
+    app.include_router(_api_routes(state))
+    app.include_router(_open_routes(state))
+    if settings.api_key:
+        app.add_middleware(BearerAuth, api_key=settings.api_key)
+    return app
+
+
+async def _attach(state: ServerState, engine: AsyncLLM) -> None:
+    engine.add_step_listener(state.metrics.on_step)
+    await engine.start()
+    state.engine = engine
+    state.serving = OpenAIServing(engine, state.settings, state.metrics)
+    logger.info("engine ready: model %s", state.settings.model_name)
+
+
+async def _load_and_attach(
+    state: ServerState,
+    load: Callable[[], AsyncLLM],
+    on_error: Callable[[BaseException], None] | None,
+) -> None:
+    try:
+        await _attach(state, await asyncio.to_thread(load))
+    except Exception as exc:
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        logger.error("loading the engine failed: %s", state.load_error)
+        if on_error is not None:
+            on_error(exc)
+
+
+# ---------------------------------------------------------------------------- routes
+
+
+def ready_serving(request: Request) -> OpenAIServing:
+    state: ServerState = request.app.state.server
+    if state.shutting_down:
+        raise not_ready("the server is shutting down")
+    if state.serving is None:
+        raise not_ready(state.load_error or "the model is still loading")
+    return state.serving
+
+
+Serving = Annotated[OpenAIServing, Depends(ready_serving)]
+
+
+def _api_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request, s: Serving) -> Response:
+        s.check_model(req.model)
+        s.check_capacity()
+        if req.stream:
+            return _sse(s, s.stream_completion(req), state.settings)
+        return JSONResponse((await s.completion(req, raw)).model_dump())
+
+    @router.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request, s: Serving) -> Response:
+        s.check_model(req.model)
+        s.check_capacity()
+        if req.stream:
+            return _sse(s, s.stream_chat(req), state.settings)
+        return JSONResponse((await s.chat(req, raw)).model_dump())
+
+    @router.get("/v1/models")
+    async def models(s: Serving) -> ModelList:
+        card = ModelCard(id=s.model_name, root=state.settings.model, max_model_len=s.max_model_len)
+        return ModelList(data=[card])
+
+    @router.post("/tokenize")
+    async def tokenize(req: TokenizeRequest, s: Serving) -> dict[str, Any]:
+        s.check_model(req.model)
+        if req.messages is not None:
+            ids = s.tokenizer.encode(s.chat_prompt(req), add_special_tokens=False)
+        else:
+            ids = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": s.max_model_len}
+
+    @router.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest, s: Serving) -> dict[str, Any]:
+        s.check_model(req.model)
+        if req.tokens and max(req.tokens) >= s.vocab_size:
+            raise bad_request(f"token id {max(req.tokens)} is out of range", "tokens")
+        return {"prompt": s.tokenizer.decode(req.tokens)}
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info(s: Serving) -> dict[str, Any]:
+        return _tokenizer_info(s)
+
+    @router.get("/version")
+    async def version_route() -> dict[str, str]:
+        return {"version": _version()}
+
+    return router
+
+
+def _open_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        status = state.status
+        return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        if state.engine is not None and state.status == "ready":
+            state.metrics.refresh_from(state.engine)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return router
+
+
+def _sse(s: OpenAIServing, stream: Stream, settings: Settings) -> EventSourceResponse:
+    async def on_close(_: Any) -> None:
+        for request_id in stream.request_ids:
+            await s.abort(request_id)
+
+    return EventSourceResponse(
+        stream.events,
+        sep="\n",
+        client_close_handler_callable=on_close,
+        shutdown_grace_period=settings.shutdown_grace_s,
+    )
+
+
+def _tokenizer_info(s: OpenAIServing) -> dict[str, Any]:
+    tok = s.tokenizer
+    return {
+        "tokenizer_class": type(tok).__name__,
+        "vocab_size": s.vocab_size,
+        "model_max_length": s.max_model_len,
+        "eos_token": tok.eos_token,
+        "eos_token_id": tok.eos_token_id,
+        "bos_token": tok.bos_token,
+        "bos_token_id": tok.bos_token_id,
+        "pad_token": tok.pad_token,
+        "pad_token_id": tok.pad_token_id,
+        "chat_template": getattr(tok, "chat_template", None),
+        "add_bos_token": getattr(tok, "add_bos_token", None),
+    }
+
+
+def _version() -> str:
+    try:
+        return version("specserve")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
+# ---------------------------------------------------------------------------- errors and auth
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def anything(_: Request, exc: Exception) -> Response:
+        return as_api_error(exc).response()
+
+
+def validation_error(errors: Any) -> APIError:
+    """The first pydantic error as a 400, with `param` the field's dotted path."""
+    err = next(iter(errors), {"loc": (), "msg": "invalid request", "type": ""})
+    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if err.get("type") == "json_invalid":
+        return bad_request(f"malformed JSON body: {err.get('ctx', {}).get('error', '')}".strip())
+    if err.get("type") == "missing" and not loc:
+        return bad_request("the request body must be a JSON object")
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    return bad_request(f"{param}: {msg}" if param else msg, param, "invalid_value")
+
+
+class BearerAuth:
+    """401 unless `Authorization: Bearer <api_key>`; /health and /metrics stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+        await error.response()(scope, receive, send)

@@ -1,0 +1,165 @@
+"""Prometheus metrics, named and meant as vLLM's (`vllm:` becomes `specserve:`).
+
+Engine-wide counters and gauges come from each `StepStats` (a step listener); request latencies come
+from each request's `RequestOutput.times` and `step_time`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from engine.outputs import RequestOutput, StepStats
+
+PREFIX = "specserve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+_COUNTERS = {
+    "spec_decode_num_drafts": "Verify passes that carried at least one draft token.",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted by the target.",
+    "prompt_tokens": "Prompt tokens computed (prefill).",
+    "generation_tokens": "Tokens generated.",
+    "num_preemptions": "Requests preempted for lack of KV blocks.",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+}
+_GAUGES = {
+    "num_requests_running": "Requests in the running batch.",
+    "num_requests_waiting": "Requests waiting for admission.",
+    "kv_cache_usage_perc": "Fraction of KV cache blocks in use (0..1).",
+}
+_HISTOGRAMS = {
+    "time_to_first_token_seconds": ("Arrival to first token.", _LATENCY_BUCKETS),
+    "inter_token_latency_seconds": ("Time between a request's successive outputs.", _ITL_BUCKETS),
+    "e2e_request_latency_seconds": ("Arrival to finish.", _LATENCY_BUCKETS),
+    "request_queue_time_seconds": ("Arrival to first scheduled.", _LATENCY_BUCKETS),
+    "request_prefill_time_seconds": ("First scheduled to first token.", _LATENCY_BUCKETS),
+    "request_decode_time_seconds": ("First token to finish.", _LATENCY_BUCKETS),
+}
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+_SUCCESS = "request_success"
+
+METRIC_NAMES: tuple[str, ...] = (
+    *(f"{PREFIX}{name}_total" for name in (*_COUNTERS, _PER_POS, _SUCCESS)),
+    *(f"{PREFIX}{name}" for name in (*_HISTOGRAMS, *_GAUGES)),
+)
+
+# `_created` series double every counter and no dashboard reads them.
+disable_created_metrics()
+
+
+class Metrics:
+    """One registry per server; thread-safe (the step listener may run on the engine's thread)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+        self.counters = {
+            n: Counter(PREFIX + n, doc, labels, registry=reg).labels(model_name)
+            for n, doc in _COUNTERS.items()
+        }
+        self.gauges = {
+            n: Gauge(PREFIX + n, doc, labels, registry=reg).labels(model_name)
+            for n, doc in _GAUGES.items()
+        }
+        self.histograms = {
+            n: Histogram(PREFIX + n, doc, labels, buckets=b, registry=reg).labels(model_name)
+            for n, (doc, b) in _HISTOGRAMS.items()
+        }
+        self._per_pos = Counter(
+            PREFIX + _PER_POS, "Accepted draft tokens by draft position.",
+            ["model_name", "position"], registry=reg,
+        )  # fmt: skip
+        self._success = Counter(
+            PREFIX + _SUCCESS, "Finished requests by finish reason.",
+            ["model_name", "finished_reason"], registry=reg,
+        )  # fmt: skip
+        for reason in ("stop", "length", "abort", "error"):
+            self._success.labels(model_name, reason)
+
+    def on_step(self, stats: StepStats) -> None:
+        c = self.counters
+        c["spec_decode_num_drafts"].inc(stats.spec.num_drafts)
+        c["spec_decode_num_draft_tokens"].inc(stats.spec.num_draft_tokens)
+        c["spec_decode_num_accepted_tokens"].inc(stats.spec.num_accepted_tokens)
+        for pos, n in enumerate(stats.spec.accepted_per_pos):
+            self._per_pos.labels(self.model_name, str(pos)).inc(n)
+        c["prompt_tokens"].inc(stats.num_prompt_tokens)
+        c["generation_tokens"].inc(stats.num_generation_tokens)
+        c["num_preemptions"].inc(stats.num_preemptions)
+        c["prefix_cache_queries"].inc(stats.prefix_cache_queries)
+        c["prefix_cache_hits"].inc(stats.prefix_cache_hits)
+        self.gauges["num_requests_running"].set(stats.num_running)
+        self.gauges["num_requests_waiting"].set(stats.num_waiting)
+        self.gauges["kv_cache_usage_perc"].set(stats.kv_cache_usage)
+
+    def refresh_from(self, engine: Any) -> None:
+        """At scrape time: an idle engine takes no steps, so its last StepStats may be stale."""
+        self.gauges["num_requests_running"].set(engine.num_running)
+        self.gauges["num_requests_waiting"].set(engine.num_waiting)
+        usage = getattr(engine, "kv_cache_usage", None)
+        if isinstance(usage, int | float):
+            self.gauges["kv_cache_usage_perc"].set(usage)
+
+    def track(self) -> RequestMetrics:
+        """A per-request observer: feed it every output of one request."""
+        return RequestMetrics(self)
+
+    def on_finished(self, out: RequestOutput) -> None:
+        t = out.times
+        end = t.finished or out.step_time
+        self._success.labels(self.model_name, out.finish_reason or "abort").inc()
+        self.observe_interval("e2e_request_latency_seconds", t.arrival, end)
+        self.observe_interval("request_queue_time_seconds", t.arrival, t.first_scheduled)
+        self.observe_interval("request_prefill_time_seconds", t.first_scheduled, t.prefill_done)
+        self.observe_interval("request_decode_time_seconds", t.first_token, end)
+
+    def observe_interval(self, name: str, start: float | None, end: float | None) -> None:
+        if start is not None and end is not None:
+            self.histograms[name].observe(max(0.0, end - start))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestMetrics:
+    """TTFT at the first token, one inter-token latency per later output, the rest at finish."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.last_token_time: float | None = None
+
+    def observe(self, out: RequestOutput) -> None:
+        if out.new_token_ids:
+            if self.last_token_time is None:
+                first = out.times.first_token or out.step_time
+                self.metrics.observe_interval(
+                    "time_to_first_token_seconds", out.times.arrival, first
+                )
+            else:
+                self.metrics.observe_interval(
+                    "inter_token_latency_seconds", self.last_token_time, out.step_time
+                )
+            self.last_token_time = out.step_time
+        if out.finished:
+            self.metrics.on_finished(out)

@@ -1,0 +1,147 @@
+"""Server settings: one model for the YAML config file, `SPECSERVE_*` variables and CLI flags.
+
+Precedence: flags > environment > config file > defaults. Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from engine.config import EngineConfig, SpeculativeConfig
+
+# The file's values for the `Settings` being built now (a settings source cannot take arguments).
+_file_values: ContextVar[dict[str, Any] | None] = ContextVar("_file_values", default=None)
+
+
+class SettingsError(ValueError):
+    """A bad config file, variable or flag; the message names the key."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="SPECSERVE_", extra="forbid", validate_default=True, frozen=True
+    )
+
+    model: str = Field(description="target model: folder, .gguf file, hub id or bundled:NAME")
+    draft_model: str | None = Field(None, description="draft model for --speculative-method draft")
+    served_model_name: str | None = Field(None, description="model name clients use")
+    speculative_method: Literal["none", "draft", "ngram"] = Field("none", description="speculation")
+    num_speculative_tokens: int = Field(4, ge=0, le=64, description="k: draft tokens per step")
+    ngram_min: int = Field(1, ge=1, description="shortest n-gram the n-gram proposer matches")
+    ngram_max: int = Field(4, ge=1, description="longest n-gram the n-gram proposer matches")
+    speculative_disable_batch_size: int = Field(
+        0, ge=0, description="decode plainly above this many running requests (0: never)"
+    )
+    device: str = Field("cpu", description="cpu, cuda, cuda:N")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="weights")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    api_key: str | None = Field(None, description="require this bearer token on /v1/*")
+    max_num_seqs: int = Field(16, ge=1, description="most requests in one batch")
+    max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one step")
+    max_model_len: int | None = Field(None, ge=1, description="context window (default: model's)")
+    block_size: int = Field(16, ge=1, description="KV cache block size in tokens")
+    kv_cache_gib: float = Field(2.0, gt=0, description="KV cache size on CPU, GiB")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prefixes")
+    num_threads: int | None = Field(None, ge=1, description="torch threads on CPU")
+    max_waiting_requests: int = Field(256, ge=1, description="429 once this many wait")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish requests")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("draft_model: required when speculative_method is draft")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min: must be <= ngram_max")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        file_settings = InitSettingsSource(settings_cls, init_kwargs=_file_values.get() or {})
+        return init_settings, env_settings, file_settings
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **flags: Any) -> Settings:
+        """Build from a YAML file, the environment and flags; `SettingsError` names the bad key."""
+        token = _file_values.set(read_config_file(config_file) if config_file else {})
+        try:
+            return cls(**flags)
+        except ValidationError as exc:
+            raise SettingsError(format_validation_error(exc, config_file)) from None
+        finally:
+            _file_values.reset(token)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_config(self) -> EngineConfig:
+        spec = SpeculativeConfig(
+            method=self.speculative_method,
+            num_speculative_tokens=self.num_speculative_tokens,
+            draft_model=self.draft_model,
+            ngram_min=self.ngram_min,
+            ngram_max=self.ngram_max,
+            disable_by_batch_size=self.speculative_disable_batch_size,
+        )
+        return EngineConfig(
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            kv_cache_gib=self.kv_cache_gib,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_threads=self.num_threads,
+            speculative=spec,
+        )
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise SettingsError(f"config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"config file {path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path}: must be a mapping of key: value")
+    unknown = sorted(str(k) for k in data if k not in Settings.model_fields)
+    if unknown:
+        raise SettingsError(f"config file {path}: unknown key(s): {', '.join(unknown)}")
+    return data
+
+
+def format_validation_error(exc: ValidationError, config_file: str | Path | None) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{key}: {msg}" if key else msg)
+    where = f" (config file {config_file})" if config_file else ""
+    return f"invalid settings{where}: " + "; ".join(lines)

@@ -1,0 +1,96 @@
+"""`specserve bench`: speculative vs plain decoding by prompt category and load, peers beside it."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CATEGORIES = "code,chat,summarization"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help=__doc__, description=__doc__)
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
+    target.add_argument("--launch", type=Path, metavar="CONFIG", help="start `specserve serve --config CONFIG`, stop it after")
+    p.add_argument("--serve-args", default="", help="extra flags for the launched server (one string)")
+    p.add_argument("--device", help="device for the launched server and the peers (e.g. cuda)")
+    p.add_argument("--dtype", help="dtype for the launched server and the peers")
+    p.add_argument("--model", help="model name in requests (default: the server's first)")
+    p.add_argument("--categories", help=f"comma list (default {DEFAULT_CATEGORIES}; code, chat, summarization, translation, qa, math, or --dataset names)")
+    p.add_argument("--dataset", action="append", default=[], metavar="NAME=PATH", help="a JSONL of {prompt} or {messages} lines as category NAME (repeatable)")
+    p.add_argument("--concurrency", default="1,4,16", help="comma list of closed-loop concurrency levels")
+    p.add_argument("--request-rate", default="", help="comma list of Poisson arrival rates (requests/s)")
+    p.add_argument("--max-concurrency", type=int, help="cap on requests in flight in request-rate mode")
+    p.add_argument("--num-prompts", type=int, default=10, help="prompts per category")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="fixed output length: always max-tokens")
+    p.add_argument("--repeats", type=int, default=1, help="repeat the sweep; figures are medians")
+    p.add_argument("--seed", type=int, default=0, help="prompt sampling and arrival schedule")
+    p.add_argument("--peers", default="", help="comma list of hf,hf-assisted,hf-prompt-lookup")
+    p.add_argument("--peer-model", help="target model for the peers (default: the launch config's)")
+    p.add_argument("--peer-draft-model", help="draft for hf-assisted (default: the config's)")
+    p.add_argument("--peer-threads", type=int, help="torch threads for the peers (default: the config's, else all cores)")
+    p.add_argument("--peer-k", type=int, help="assistant / prompt-lookup tokens per step (default: the config's k)")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--launch-timeout", type=float, default=1800.0)
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+    p.set_defaults(func=run)  # fmt: skip
+
+
+def csv_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parse_datasets(items: list[str]) -> dict[str, Path]:
+    found = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--dataset wants NAME=PATH, not {item!r}")
+        found[name] = Path(path)
+    return found
+
+
+def chosen_categories(args: argparse.Namespace, datasets: dict[str, Path]) -> list[str]:
+    default = "" if datasets else DEFAULT_CATEGORIES
+    categories = csv_list(args.categories if args.categories is not None else default)
+    return categories + [name for name in datasets if name not in categories]
+
+
+def serve_extra(args: argparse.Namespace) -> list[str]:
+    extra = shlex.split(args.serve_args)
+    for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
+        if value:
+            extra += [flag, value]
+    return extra
+
+
+@contextlib.contextmanager
+def target(args: argparse.Namespace) -> Iterator[str]:
+    if args.base_url:
+        yield args.base_url.rstrip("/")
+        return
+    from bench.launcher import launched_server
+
+    with launched_server(
+        args.launch, serve_extra(args), args.out / "server.log", args.launch_timeout
+    ) as url:
+        yield url
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench import orchestrate
+
+    return orchestrate.main(args)
+
+
+def log(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr)

@@ -1,0 +1,191 @@
+"""report.md with the tables, and PNG plots (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+PLOTS = ("speedup.png", "acceptance_per_position.png", "latency.png")
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value * 1000:.0f}"
+
+
+def _table(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
+
+
+def _order(rows: list[Row]) -> tuple[list[str], list[str]]:
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    loads = list(dict.fromkeys(r["load"] for r in rows))
+    return categories, loads
+
+
+def speedup_table(rows: list[Row]) -> list[str]:
+    categories, loads = _order(rows)
+    spec = {(r["category"], r["load"]): r for r in rows if r["mode"] == "spec"}
+    body = [
+        [c] + [_fmt(spec.get((c, load), {}).get("speedup_vs_plain")) + "x" for load in loads]
+        for c in categories
+    ]
+    return _table(["category", *loads], body)
+
+
+def category_table(rows: list[Row], category: str) -> list[str]:
+    header = [
+        "load", "mode", "out tok/s", "speedup", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms",
+        "E2E p50/p90/p99 s", "accept rate", "mean accept len", "requests (errors)",
+    ]  # fmt: skip
+    body = []
+    for r in (r for r in rows if r["category"] == category):
+        body.append([
+            r["load"], r["mode"], _fmt(r["output_tokens_per_s"]), _fmt(r["speedup_vs_plain"]),
+            "/".join(_ms(r.get(f"ttft_p{p}_s")) for p in (50, 90, 99)),
+            "/".join(_ms(r.get(f"itl_p{p}_s")) for p in (50, 90, 99)),
+            "/".join(_fmt(r.get(f"e2e_p{p}_s")) for p in (50, 90, 99)),
+            _fmt(r["acceptance_rate"]), _fmt(r["mean_acceptance_length"]),
+            f"{_fmt(r['num_requests'])} ({_fmt(r['num_errors'])})",
+        ])  # fmt: skip
+    return _table(header, body)
+
+
+def position_table(rows: list[Row]) -> list[str]:
+    spec = [r for r in rows if r["mode"] == "spec" and r.get("acceptance_per_pos")]
+    if not spec:
+        return ["(no per-position counts: the server's /metrics had none)"]
+    width = max(len(r["acceptance_per_pos"]) for r in spec)
+    body = [
+        [r["category"], r["load"]] + [_fmt(v) for v in r["acceptance_per_pos"]]
+        + [""] * (width - len(r["acceptance_per_pos"]))
+        for r in spec
+    ]
+    return _table(["category", "load", *[f"pos {i}" for i in range(width)]], body)
+
+
+def peer_table(peers: list[Row]) -> list[str]:
+    header = [
+        "category", "mode", "out tok/s", "speedup vs hf", "vs specserve plain",
+        "TTFT p50 ms", "ITL p50 ms", "E2E p50 s",
+    ]  # fmt: skip
+    body = [
+        [
+            r["category"], r["mode"], _fmt(r["output_tokens_per_s"]), _fmt(r["speedup_vs_plain"]),
+            _fmt(r.get("ratio_vs_server_plain")), _ms(r["ttft_p50_s"]), _ms(r["itl_p50_s"]),
+            _fmt(r["e2e_p50_s"]),
+        ]
+        for r in peers
+    ]  # fmt: skip
+    return _table(header, body)
+
+
+def write_report(path: Path, rows: list[Row], peers: list[Row], meta: dict[str, Any]) -> None:
+    lines = ["# specserve bench", ""]
+    lines += [f"- {k}: `{v}`" for k, v in meta.items()]
+    lines += ["", "## Speedup (speculative tokens/s over plain tokens/s, same prompts)", ""]
+    lines += speedup_table(rows)
+    for category in _order(rows)[0]:
+        lines += ["", f"## {category}", ""] + category_table(rows, category)
+    lines += ["", "## Acceptance by draft position (spec mode)", ""] + position_table(rows)
+    if peers:
+        lines += ["", "## Peers: transformers generate, concurrency 1", ""] + peer_table(peers)
+    lines += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS]
+    path.write_text("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------- plots
+
+
+def write_plots(out: Path, rows: list[Row], peers: list[Row], requests: list[Row]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    paths = [out / name for name in PLOTS]
+    plot_speedup(paths[0], rows, peers)
+    plot_acceptance(paths[1], rows)
+    plot_latency(paths[2], requests)
+    return paths
+
+
+def plot_speedup(path: Path, rows: list[Row], peers: list[Row]) -> None:
+    import matplotlib.pyplot as plt
+
+    categories, loads = _order(rows)
+    spec = {(r["category"], r["load"]): r["speedup_vs_plain"] for r in rows if r["mode"] == "spec"}
+    series = [(f"specserve {load}", [spec.get((c, load)) for c in categories]) for load in loads]
+    for mode in dict.fromkeys(r["mode"] for r in peers if r["mode"] != "hf"):
+        by_cat = {r["category"]: r["speedup_vs_plain"] for r in peers if r["mode"] == mode}
+        series.append((f"{mode} (vs hf)", [by_cat.get(c) for c in categories]))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(categories) * max(1, len(series)) / 2), 4))
+    width = 0.8 / max(1, len(series))
+    for i, (label, values) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(categories))]
+        ax.bar(xs, [v or 0.0 for v in values], width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set_ylabel("speedup over plain decoding (tokens/s ratio)")
+    ax.set_title("Speculative speedup by category and load")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_acceptance(path: Path, rows: list[Row]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    spec = [r for r in rows if r["mode"] == "spec" and r.get("acceptance_per_pos")]
+    for r in spec:
+        values = r["acceptance_per_pos"]
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=f"{r['category']} {r['load']}")
+    if not spec:
+        ax.text(0.5, 0.5, "no per-position counts in /metrics", ha="center", transform=ax.transAxes)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("fraction of drafts accepted at this position")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance by draft position")
+    if spec:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_latency(path: Path, requests: list[Row]) -> None:
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple[str, str, str], dict[str, list[float]]] = defaultdict(
+        lambda: {"ttft_s": [], "itl_s": [], "e2e_s": []}
+    )
+    for req in requests:
+        if not req.get("ok"):
+            continue
+        g = groups[(req["category"], req["load"], req["mode"])]
+        for key in ("ttft_s", "e2e_s"):
+            if req.get(key) is not None:
+                g[key].append(req[key])
+        g["itl_s"].extend(req.get("itl_s") or [])
+    keys = list(groups)
+    fig, axes = plt.subplots(3, 1, figsize=(max(6, 0.6 * len(keys) + 2), 9))
+    for ax, metric, title in zip(axes, ("ttft_s", "itl_s", "e2e_s"), ("TTFT", "ITL", "E2E")):
+        data = [groups[k][metric] or [0.0] for k in keys]
+        ax.boxplot(data, showfliers=False)
+        ax.set_xticks(range(1, len(keys) + 1), ["\n".join(k) for k in keys], fontsize=7)
+        ax.set_ylabel(f"{title} (s)")
+    axes[0].set_title("Latency distributions by category, load and mode")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

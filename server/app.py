@@ -168,9 +168,10 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest, s: Serving) -> dict[str, Any]:
         s.check_model(req.model)
-        if req.tokens and max(req.tokens) >= s.vocab_size:
-            raise bad_request(f"token id {max(req.tokens)} is out of range", "tokens")
-        return {"prompt": s.tokenizer.decode(req.tokens)}
+        try:
+            return {"prompt": s.tokenizer.decode(req.tokens)}
+        except (ValueError, IndexError, TypeError, OverflowError) as exc:
+            raise bad_request(f"cannot decode these tokens: {exc}", "tokens") from None
 
     @router.get("/tokenizer_info")
     async def tokenizer_info(s: Serving) -> dict[str, Any]:

@@ -167,10 +167,6 @@ class OpenAIServing:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise bad_request("prompt must not be empty", param)
-        if max(ids) >= self.vocab_size:
-            raise bad_request(
-                f"token id {max(ids)} is out of range (vocab {self.vocab_size})", param
-            )
         return ids
 
     def chat_prompt(self, req: ChatCompletionRequest | Any) -> str:
@@ -221,6 +217,7 @@ class OpenAIServing:
             self._check_length(len(ids), max_tokens, max_tokens_param)
             for i in range(n):
                 params = self.sampling_params(req, max_tokens, i)
+                self._validate(ids, params)
                 index = p * n + i
                 jobs.append(Job(index, n, f"{response_id}-{index}", ids, text, params))
         return jobs
@@ -234,6 +231,13 @@ class OpenAIServing:
                 "prompt" if num_prompt >= self.max_model_len else param,
                 "context_length_exceeded",
             )
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's own checks (token ids, KV capacity), as a 400 before anything starts."""
+        try:
+            self.engine.validate(prompt_ids, params)
+        except ValueError as exc:
+            raise bad_request(str(exc), "prompt") from None
 
     def sampling_params(self, req: SamplingFields, max_tokens: int, i: int) -> SamplingParams:
         logprobs, prompt_logprobs = _logprob_counts(req)

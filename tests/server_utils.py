@@ -91,6 +91,10 @@ class FakeEngine:
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self.listeners.append(fn)
 
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids or len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError("the prompt is empty or too long")
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 

@@ -49,6 +49,7 @@ class ServerState:
     shutting_down: bool = False
     load_error: str | None = None
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    on_ready: Callable[[], None] | None = None
 
     @property
     def status(self) -> str:
@@ -66,10 +67,11 @@ def create_app(
     settings: Settings,
     load: Callable[[], AsyncLLM] | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The app owns the engine's life: it starts it (after `load()` in a thread if `engine` is None,
     answering 503 meanwhile) and shuts it down."""
-    state = ServerState(settings, Metrics(settings.model_name))
+    state = ServerState(settings, Metrics(settings.model_name), on_ready=on_ready)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -100,7 +102,8 @@ async def _attach(state: ServerState, engine: AsyncLLM) -> None:
     await engine.start()
     state.engine = engine
     state.serving = OpenAIServing(engine, state.settings, state.metrics)
-    logger.info("engine ready: model %s", state.settings.model_name)
+    if state.on_ready is not None:
+        state.on_ready()
 
 
 async def _load_and_attach(

@@ -47,7 +47,9 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="weights")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
-    api_key: str | None = Field(None, description="require this bearer token on /v1/*")
+    api_key: str | None = Field(
+        None, description="require this bearer token (all but /health, /metrics)"
+    )
     max_num_seqs: int = Field(16, ge=1, description="most requests in one batch")
     max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one step")
     max_model_len: int | None = Field(None, ge=1, description="context window (default: model's)")

@@ -1,0 +1,116 @@
+"""`specserve serve`: one flag per settings key; flags override SPECSERVE_* and the --config file.
+
+uvicorn starts first and answers /health with 503 while the engine loads in a thread. SIGTERM stops
+admission (503), lets running requests finish within shutdown_grace_s, then stops the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+import typing
+from typing import Any
+
+from server.settings import Settings, SettingsError
+
+logger = logging.getLogger("specserve.serve")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve", help="run the OpenAI-compatible server", description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("--config", metavar="FILE", help="YAML file of settings (keys as the flags)")
+    for name, info in Settings.model_fields.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, **_flag_kwargs(info))
+    p.set_defaults(func=run)
+
+
+def _flag_kwargs(info: Any) -> dict[str, Any]:
+    """Flags keep strings (pydantic converts and names the key in errors); unset flags stay out."""
+    kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": info.description}
+    args = [a for a in typing.get_args(info.annotation) if a is not type(None)]
+    base = args[0] if isinstance(info.annotation, types.UnionType) and len(args) == 1 else None
+    annotation = base or info.annotation
+    if annotation is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(annotation) is typing.Literal:
+        kwargs["choices"] = typing.get_args(annotation)
+    if not info.is_required() and info.default is not None:
+        kwargs["help"] = f"{info.description} (default: {info.default})"
+    return kwargs
+
+
+def run(args: argparse.Namespace) -> int:
+    flags = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    try:
+        settings = Settings.load(args.config, **flags)
+    except SettingsError as exc:
+        print(f"specserve serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return serve(settings)
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from server.app import create_app
+
+    failed: list[BaseException] = []
+    url = f"http://{settings.host}:{settings.port}"
+
+    def load() -> Any:
+        from engine.async_engine import AsyncLLM
+
+        logger.info(
+            "loading target model %s (%s on %s)", settings.model, settings.dtype, settings.device
+        )
+        if settings.speculative_method == "draft":
+            logger.info("loading draft model %s", settings.draft_model)
+        elif settings.speculative_method == "ngram":
+            logger.info(
+                "speculation: n-gram proposer, n in [%d, %d]",
+                settings.ngram_min,
+                settings.ngram_max,
+            )
+        return AsyncLLM.from_config(settings.engine_config(), settings.model_name)
+
+    def on_load_error(exc: BaseException) -> None:
+        failed.append(exc)
+        server.should_exit = True
+
+    app = create_app(
+        None, settings, load=load, on_load_error=on_load_error,
+        on_ready=lambda: logger.info("ready on %s (model %s)", url, settings.model_name),
+    )  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+    )
+    server = _graceful_server(config, app.state.server)
+    logger.info("listening on %s; /health answers 503 until the model is loaded", url)
+    server.run()
+    return 1 if failed else 0
+
+
+def _graceful_server(config: Any, state: Any) -> Any:
+    """uvicorn's server, but the app answers 503 from the moment a signal arrives."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not state.shutting_down:
+                logger.info("signal %d: no new requests; finishing the running ones", sig)
+            state.shutting_down = True
+            super().handle_exit(sig, frame)
+
+    return Server(config)

@@ -134,6 +134,10 @@ class Metrics:
         self.observe_interval("request_prefill_time_seconds", t.first_scheduled, t.prefill_done)
         self.observe_interval("request_decode_time_seconds", t.first_token, end)
 
+    def count_aborted(self) -> None:
+        """A request the client left: the engine's final output went to no one."""
+        self._success.labels(self.model_name, "abort").inc()
+
     def observe_interval(self, name: str, start: float | None, end: float | None) -> None:
         if start is not None and end is not None:
             self.histograms[name].observe(max(0.0, end - start))

@@ -62,7 +62,7 @@ class SamplingFields(BaseModel):
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     stream: bool | None = False

@@ -298,6 +298,7 @@ class OpenAIServing:
                 task.cancel()
             for request_id in unfinished:
                 await self.abort(request_id)
+                self.metrics.count_aborted()
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def abort(self, request_id: str) -> None:

@@ -8,8 +8,10 @@ import copy
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -158,3 +160,76 @@ class FakeEngine:
             times=times,
             step_time=now,
         )
+
+
+class Throttle:
+    """A step listener that slows the engine's loop (it runs on the engine thread), so a test can
+    act while a request is surely still running. Off (0 s) by default."""
+
+    def __init__(self) -> None:
+        self.delay_s = 0.0
+
+    def __call__(self, stats: StepStats) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+
+
+@dataclass
+class RealServer:
+    url: str
+    engine: Any
+    settings: Any
+    throttle: Throttle
+
+
+@contextmanager
+def real_server(model_dir: Path, **settings_kwargs: Any) -> Iterator[RealServer]:
+    """The real AsyncLLM on the tiny model behind a live server (float32, n-gram speculation)."""
+    from engine.async_engine import AsyncLLM
+    from server.app import create_app
+    from server.settings import Settings
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        served_model_name="tiny",
+        dtype="float32",
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        kv_cache_gib=0.02,
+        max_num_seqs=4,
+    )
+    settings = Settings(**(kwargs | settings_kwargs))
+    engine = AsyncLLM.from_config(settings.engine_config(), settings.model_name)
+    throttle = Throttle()
+    engine.add_step_listener(throttle)
+    with LiveServer(create_app(engine, settings)) as live:
+        yield RealServer(live.url, engine, settings, throttle)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.02)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """One sample's value from a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise KeyError(f"{name}{labels} not in the exposition")
+
+
+def assert_error_shape(body: dict[str, Any], status: int) -> dict[str, Any]:
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    assert "Traceback" not in error["message"]
+    return error

@@ -1,4 +1,4 @@
-"""One streamed OpenAI request, timed: TTFT, per-token gaps, end-to-end, and the server's summaries."""
+"""One streamed OpenAI request, timed: TTFT, per-token gaps, end-to-end, the server's summary."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ async def _read_stream(resp: httpx.Response, result: RequestResult) -> None:
             result.ttft_s = now - result.start
             result.itl_s.extend([0.0] * (n - 1))  # the rest of a first chunk came with the first
         else:
-            # A speculative step delivers several tokens at once: each gets an equal share of the gap.
+            # A speculative step delivers several tokens at once: each gets a share of the gap.
             result.itl_s.extend([(now - last) / n] * n)
         last = now
         streamed_tokens += n

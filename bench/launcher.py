@@ -31,7 +31,7 @@ def serve_command(config: Path, port: int, extra: list[str]) -> list[str]:
 def launched_server(
     config: Path, extra_args: list[str], log_path: Path, timeout_s: float = 1800.0
 ) -> Iterator[str]:
-    """Yields the base URL of a server started from `config`; stops it on exit, kills it on error."""
+    """Yields the URL of a server started from `config`; stops it on exit, kills it on error."""
     port = free_port()
     cmd = serve_command(config, port, extra_args)
     print(f"bench: launching {' '.join(cmd)}  (log: {log_path})", file=sys.stderr)
@@ -62,7 +62,9 @@ def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path, timeou
         if waited > timeout_s:
             raise TimeoutError(f"server not healthy after {timeout_s:.0f}s:\n{tail(log)}")
         if waited - last_note >= 10:
-            print(f"bench: waiting for the server to load its models ({waited:.0f}s)", file=sys.stderr)
+            print(
+                f"bench: waiting for the server to load its models ({waited:.0f}s)", file=sys.stderr
+            )
             last_note = waited
         time.sleep(0.5)
 

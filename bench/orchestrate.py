@@ -1,4 +1,4 @@
-"""The whole bench run: prompts, server, interleaved sweep, peers, then results, report and plots."""
+"""The whole bench run: prompts, server, interleaved sweep, peers, then results, report, plots."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from tqdm import tqdm
 
 from bench import stats
@@ -100,7 +99,7 @@ async def first_model(client: httpx.AsyncClient) -> str:
 def request_records(measurements: list[Measurement]) -> list[Row]:
     records = []
     for m in measurements:
-        for mode, run in m.runs.items():
+        for run in m.runs.values():
             for result in run.results:
                 key = {"category": m.category, "load": m.load.label, "repeat": m.repeat}
                 records.append({**key, **asdict(result)})
@@ -111,20 +110,12 @@ def request_records(measurements: list[Measurement]) -> list[Row]:
 
 
 def config_settings(path: Path | None) -> dict[str, Any]:
-    """Leaf settings of a serve config (model, draft_model, dtype, ...), nested sections flattened."""
+    """The launch config as the server reads it (file, then SPECSERVE_* variables)."""
     if path is None:
         return {}
-    found: dict[str, Any] = {}
+    from server.settings import Settings
 
-    def walk(node: Any) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(value)
-            else:
-                found.setdefault(str(key), value)
-
-    walk(yaml.safe_load(path.read_text()) or {})
-    return found
+    return Settings.load(path).model_dump()
 
 
 def serve_flag(args: argparse.Namespace, flag: str) -> str | None:
@@ -137,7 +128,9 @@ def serve_flag(args: argparse.Namespace, flag: str) -> str | None:
     return None
 
 
-def peer_job(args: argparse.Namespace, modes: list[str], prompts: dict[str, list[Prompt]]) -> PeerJob:
+def peer_job(
+    args: argparse.Namespace, modes: list[str], prompts: dict[str, list[Prompt]]
+) -> PeerJob:
     cfg = config_settings(args.launch)
     model = args.peer_model or serve_flag(args, "--model") or cfg.get("model")
     if not model:
@@ -160,7 +153,9 @@ def peer_job(args: argparse.Namespace, modes: list[str], prompts: dict[str, list
     )
 
 
-def run_peers(args: argparse.Namespace, modes: list[str], prompts: dict[str, list[Prompt]]) -> list[Row]:
+def run_peers(
+    args: argparse.Namespace, modes: list[str], prompts: dict[str, list[Prompt]]
+) -> list[Row]:
     if "hf" not in modes:
         modes = ["hf", *modes]  # the peers' own baseline for their speedup
     job = peer_job(args, modes, prompts)

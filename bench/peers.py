@@ -70,33 +70,18 @@ class TimingStreamer:
 
 
 def load_hf_model(spec: str, dtype: str, device: str) -> tuple[Any, Any]:
-    """(model, tokenizer): an HF folder directly; anything else through engine.loader."""
+    """(model, tokenizer) through engine.loader, so that GGUF and bundled: specs resolve to the same
+    converted folder the server reads."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch_dtype = getattr(torch, dtype)
-    if (Path(spec) / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(spec)
-    else:
-        model, tokenizer = _from_engine_loader(spec, torch_dtype)
-    return model.to(device).eval(), tokenizer
-
-
-def _from_engine_loader(spec: str, torch_dtype: Any) -> tuple[Any, Any]:
-    from engine.loader import load_model  # type: ignore[import-not-found]
     from transformers import AutoModelForCausalLM
 
+    from engine.loader import load_model
+
     loaded = load_model(spec)
-    model = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=torch_dtype)
-    weights = loaded.weights
-    missing, unexpected = model.load_state_dict(dict(weights), strict=False)
-    missing = [k for k in missing if "rotary" not in k and k != "lm_head.weight"]
-    if missing or unexpected:
-        raise RuntimeError(f"weights of {spec} do not fit transformers: {missing[:3]} {unexpected[:3]}")
-    if "lm_head.weight" not in dict(weights):
-        model.tie_weights()
-    return model, loaded.tokenizer
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(loaded.weights_dir), dtype=getattr(torch, dtype)
+    )
+    return model.to(device).eval(), loaded.tokenizer
 
 
 def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:

@@ -68,7 +68,8 @@ def position_table(rows: list[Row]) -> list[str]:
         return ["(no per-position counts: the server's /metrics had none)"]
     width = max(len(r["acceptance_per_pos"]) for r in spec)
     body = [
-        [r["category"], r["load"]] + [_fmt(v) for v in r["acceptance_per_pos"]]
+        [r["category"], r["load"]]
+        + [_fmt(v) for v in r["acceptance_per_pos"]]
         + [""] * (width - len(r["acceptance_per_pos"]))
         for r in spec
     ]
@@ -180,7 +181,9 @@ def plot_latency(path: Path, requests: list[Row]) -> None:
         g["itl_s"].extend(req.get("itl_s") or [])
     keys = list(groups)
     fig, axes = plt.subplots(3, 1, figsize=(max(6, 0.6 * len(keys) + 2), 9))
-    for ax, metric, title in zip(axes, ("ttft_s", "itl_s", "e2e_s"), ("TTFT", "ITL", "E2E")):
+    for ax, metric, title in zip(
+        axes, ("ttft_s", "itl_s", "e2e_s"), ("TTFT", "ITL", "E2E"), strict=True
+    ):
         data = [groups[k][metric] or [0.0] for k in keys]
         ax.boxplot(data, showfliers=False)
         ax.set_xticks(range(1, len(keys) + 1), ["\n".join(k) for k in keys], fontsize=7)

@@ -110,7 +110,10 @@ class Runner:
             tasks = [self._send(p, spec) for p in rnd.prompts]
         else:
             limit = asyncio.Semaphore(self.max_concurrency or len(rnd.prompts))
-            tasks = [self._arrive(p, spec, start + o, limit) for p, o in zip(rnd.prompts, rnd.offsets_s)]
+            tasks = [
+                self._arrive(p, spec, start + o, limit)
+                for p, o in zip(rnd.prompts, rnd.offsets_s, strict=True)
+            ]
         run.results.extend(await asyncio.gather(*tasks))
         run.wall_s += time.perf_counter() - start
         after = await scrape(self.client)
@@ -130,7 +133,9 @@ class Runner:
         if self.progress is not None:
             self.progress.update(1)
             if result.error:
-                self.progress.write(f"bench: {prompt.prompt_id} ({result.mode}) failed: {result.error}")
+                self.progress.write(
+                    f"bench: {prompt.prompt_id} ({result.mode}) failed: {result.error}"
+                )
         return result
 
     async def warmup(self, prompt: Prompt) -> None:

@@ -71,7 +71,9 @@ def parse_spec_counters(text: str) -> SpecCounters:
                 counters.num_accepted_tokens += sample.value
             elif name == _PER_POS and "position" in sample.labels:
                 pos = int(sample.labels["position"])
-                counters.accepted_per_pos[pos] = counters.accepted_per_pos.get(pos, 0.0) + sample.value
+                counters.accepted_per_pos[pos] = (
+                    counters.accepted_per_pos.get(pos, 0.0) + sample.value
+                )
     return counters
 
 

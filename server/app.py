@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("specserve.server")
 OPEN_PATHS = ("/health", "/metrics")
+_UNION_TAG = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]")
 
 
 @dataclass
@@ -269,14 +271,25 @@ def _add_error_handlers(app: FastAPI) -> None:
 def validation_error(errors: Any) -> APIError:
     """The first pydantic error as a 400, with `param` the field's dotted path."""
     err = next(iter(errors), {"loc": (), "msg": "invalid request", "type": ""})
-    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
+    param = _param_of(err.get("loc", ()))
     if err.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {err.get('ctx', {}).get('error', '')}".strip())
-    if err.get("type") == "missing" and not loc:
+    if err.get("type") == "missing" and param is None:
         return bad_request("the request body must be a JSON object")
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return bad_request(f"{param}: {msg}" if param else msg, param, "invalid_value")
+
+
+def _param_of(loc: Any) -> str | None:
+    """`('body', 'prompt', 'list[int]', 1)` -> `prompt`: union-member tags and after are noise."""
+    parts: list[str] = []
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, str) and _UNION_TAG.fullmatch(part):
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
 
 
 class BearerAuth:

@@ -1,0 +1,269 @@
+"""Raw HTTP against a live server (real engine): every error's status and OpenAI shape, auth,
+the waiting-queue limit, and aborts when a client disconnects."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_utils import RealServer, assert_error_shape, metric_value, real_server, wait_for
+
+API_KEY = "sekret"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_MODEL_LEN = 256
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[RealServer]:
+    with real_server(
+        tiny_model_dir, api_key=API_KEY, max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
+        max_waiting_requests=2,
+    ) as live:  # fmt: skip
+        yield live
+
+
+@pytest.fixture(scope="module")
+def http(server: RealServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as client:
+        yield client
+
+
+def post_raw(http: httpx.Client, path: str, body: str | bytes) -> httpx.Response:
+    return http.post(path, content=body, headers={"Content-Type": "application/json"})
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    return assert_error_shape(response.json(), status)
+
+
+BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "temperature": 2.5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 1000}, "n"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stop": ""}, "stop"),
+    ({"prompt": "x", "stop": [1, 2]}, "stop"),
+    ({"prompt": "x", "seed": "abc"}, "seed"),
+    ({"prompt": "x", "seed": 2**80}, "seed"),
+    ({"prompt": "x", "echo": "true"}, "echo"),
+    ({"prompt": "x", "num_speculative_tokens": -1}, "num_speculative_tokens"),
+    ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": [1, -2]}, "prompt"),
+    ({"prompt": [1, 99999]}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": "x", "suffix": "y"}, None),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ({"prompt": "x " * 60, "max_tokens": 200}, "max_tokens"),
+    ({"prompt": "x " * 400, "max_tokens": 1}, "prompt"),
+    ({"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
+    ({"prompt": "x", "n": 64, "best_of": 2}, None),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS, ids=lambda v: json.dumps(v)[:40])
+def test_invalid_completion_fields_are_400(
+    http: httpx.Client, body: Any, param: str | None
+) -> None:
+    error = error_of(post_raw(http, "/v1/completions", json.dumps(body)), 400)
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
+
+
+BAD_CHATS: list[tuple[Any, str | None]] = [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
+    ({"messages": MSG, "logprobs": 3}, "logprobs"),
+    ({"messages": MSG, "top_logprobs": 2}, None),
+    ({"messages": MSG, "top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+    ({"messages": MSG, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
+    ({"messages": MSG, "n": -1}, "n"),
+    ({"messages": [{"role": "user", "content": "x " * 400}]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHATS, ids=lambda v: json.dumps(v)[:40])
+def test_invalid_chat_fields_are_400(http: httpx.Client, body: Any, param: str | None) -> None:
+    error = error_of(post_raw(http, "/v1/chat/completions", json.dumps(body)), 400)
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@pytest.mark.parametrize(
+    "raw", [b"{bad json", b"", b"[]", b"null", b"42", b'"text"', b"\xff\xfe", b'{"prompt": "x",}']
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_malformed_bodies_are_400(http: httpx.Client, path: str, raw: bytes) -> None:
+    error_of(post_raw(http, path, raw), 400)
+
+
+def test_context_window_message_names_the_numbers(http: httpx.Client) -> None:
+    error = error_of(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 300}), 400)
+    assert str(MAX_MODEL_LEN) in error["message"] and error["code"] == "context_length_exceeded"
+
+
+def test_stream_requests_are_validated_before_streaming(http: httpx.Client) -> None:
+    body = {"prompt": "x", "max_tokens": 1000, "stream": True}
+    error_of(http.post("/v1/completions", json=body), 400)
+
+
+def test_unknown_model_is_404(http: httpx.Client) -> None:
+    for path, body in [
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}),
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": MSG}),
+    ]:
+        error = error_of(http.post(path, json=body), 404)
+        assert error["param"] == "model" and error["code"] == "model_not_found"
+    ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_unknown_route_and_method(http: httpx.Client) -> None:
+    error_of(http.get("/v1/nothing"), 404)
+    error_of(http.get("/v1/completions"), 405)
+
+
+def test_api_key(server: RealServer) -> None:
+    with httpx.Client(base_url=server.url) as anon:
+        for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}]:
+            r = anon.post("/v1/completions", json={"prompt": "x"}, headers=headers)
+            assert error_of(r, 401)["code"] == "invalid_api_key"
+            error_of(anon.get("/v1/models", headers=headers), 401)
+        error_of(anon.post("/v1/completions", content=b"{bad"), 401)
+        assert anon.get("/health").status_code == 200
+        assert anon.get("/metrics").status_code == 200
+        r = anon.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 200
+
+
+def test_odd_but_valid_values_never_hurt_the_engine(server: RealServer, http: httpx.Client) -> None:
+    odd = [
+        {"temperature": 1e-30},
+        {"temperature": 2, "top_p": 1e-9},
+        {"top_k": 10**9, "min_p": 1.0},
+        {"presence_penalty": -2, "frequency_penalty": 2},
+        {"logprobs": 20, "echo": True},
+        {"stop_token_ids": [99999]},
+        {"seed": -(2**63)},
+        {"prompt": [0, 0, 0]},
+        {"prompt": "\x00\ud7ff😀 <|im_end|><|endoftext|>"},
+    ]
+    for extra in odd:
+        body = {"prompt": "Hello", "max_tokens": 4} | extra
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert server.engine.is_alive
+
+
+def test_waiting_queue_full_is_429(server: RealServer, http: httpx.Client) -> None:
+    """max_num_seqs=2, max_waiting_requests=2: two run, two wait, the fifth is refused."""
+    server.throttle.delay_s = 0.02
+    body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
+    results: list[int] = []
+
+    def one() -> None:
+        results.append(http.post("/v1/completions", json=body).status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: server.engine.num_waiting >= 2, what="two waiting requests")
+        error = error_of(http.post("/v1/completions", json=body), 429)
+        assert error["type"] == "rate_limit_error"
+    finally:
+        server.throttle.delay_s = 0.0
+        for t in threads:
+            t.join(timeout=60)
+    assert results == [200] * 4
+
+
+def _kv_is_free(server: RealServer, http: httpx.Client) -> bool:
+    text = http.get("/metrics").text
+    running = metric_value(text, "specserve:num_requests_running", model_name="tiny")
+    usage = metric_value(text, "specserve:kv_cache_usage_perc", model_name="tiny")
+    return (
+        server.engine.num_running == 0
+        and server.engine.kv_cache_usage == 0
+        and usage == 0 == running
+    )
+
+
+def _aborted(http: httpx.Client) -> float:
+    text = http.get("/metrics").text
+    return metric_value(
+        text, "specserve:request_success_total", model_name="tiny", finished_reason="abort"
+    )
+
+
+def test_disconnect_mid_stream_aborts(server: RealServer, http: httpx.Client) -> None:
+    server.throttle.delay_s = 0.02  # ~50 steps/s: 240 tokens would take seconds
+    aborted_before = _aborted(http)
+    body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.Client(base_url=server.url, headers=AUTH) as client:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                data: list[str] = []
+                for line in lines:
+                    if line.startswith("data:"):
+                        data.append(line)
+                    if len(data) == 3:
+                        break
+                assert server.engine.num_running == 1 and server.engine.kv_cache_usage > 0
+        wait_for(lambda: _kv_is_free(server, http), timeout_s=3, what="KV blocks freed")
+        assert _aborted(http) == aborted_before + 1
+    finally:
+        server.throttle.delay_s = 0.0
+
+
+def test_disconnect_while_waiting_for_a_full_response_aborts(
+    server: RealServer, http: httpx.Client
+) -> None:
+    server.throttle.delay_s = 0.02
+    aborted_before = _aborted(http)
+    body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True}
+    try:
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=0.5) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post("/v1/completions", json=body)
+        wait_for(lambda: _kv_is_free(server, http), timeout_s=3, what="KV blocks freed")
+        assert _aborted(http) == aborted_before + 1
+    finally:
+        server.throttle.delay_s = 0.0

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.sampler import race
+from engine.sampler import exponential, race
 
 
 def verify(
@@ -65,7 +65,7 @@ def verify_stochastic(
     final_dist = target_probs[rows, num_accepted]  # [B, V], the bonus distribution if a == k
     if k > 0:
         final_dist = _recovery_dist(final_dist, draft_token_ids, draft_probs, num_accepted)
-    noise = torch.empty_like(final_dist).exponential_(generator=generator)
+    noise = exponential(tuple(final_dist.shape), generator, final_dist.device)  # [B, V]
     return num_accepted, race(final_dist, noise)
 
 

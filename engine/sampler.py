@@ -13,6 +13,10 @@ from torch import Tensor
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
+# Sorting a 150k vocabulary costs tens of ms per row on CPU, while a top-p nucleus almost
+# always lies within the best few hundred tokens: look at these first, sort all only if needed.
+NUCLEUS_CANDIDATES = 1024
+
 
 def processed_probs(
     logits: Tensor,  # [N, V] float32 raw logits
@@ -43,30 +47,34 @@ def apply_penalties(
     params: list[SamplingParams],
     output_token_ids: list[list[int]],
 ) -> Tensor:  # [N, V]
-    """OpenAI semantics: logit[t] -= presence * (count[t] > 0) + frequency * count[t]."""
-    counts = token_counts(output_token_ids, params, logits.shape[1], logits.device)  # [N, V]
+    """OpenAI semantics: logit[t] -= presence * (count[t] > 0) + frequency * count[t].
+
+    Touches only the (row, token) pairs that occur: no [N, V] count table."""
+    rows, ids = _penalized_pairs(params, output_token_ids)
+    if not ids:
+        return logits
+    vocab_size = logits.shape[1]
+    keys = torch.tensor(rows, device=logits.device) * vocab_size
+    keys, counts = (keys + torch.tensor(ids, device=logits.device)).unique(return_counts=True)
     presence = torch.tensor([p.presence_penalty for p in params], device=logits.device)
     frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device)
-    return logits - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+    key_rows = keys // vocab_size  # [M]
+    logits = logits.clone(memory_format=torch.contiguous_format)
+    logits.view(-1)[keys] -= presence[key_rows] + frequency[key_rows] * counts
+    return logits
 
 
-def token_counts(
-    output_token_ids: list[list[int]],
-    params: list[SamplingParams],
-    vocab_size: int,
-    device: torch.device,
-) -> Tensor:  # [N, V] float32 occurrence counts, zero for rows without penalties
+def _penalized_pairs(
+    params: list[SamplingParams], output_token_ids: list[list[int]]
+) -> tuple[list[int], list[int]]:
+    """(row, token) for every generated token of every row that has penalties."""
     rows: list[int] = []
     ids: list[int] = []
     for i, (p, toks) in enumerate(zip(params, output_token_ids, strict=True)):
         if p.has_penalties:
             rows += [i] * len(toks)
             ids += toks
-    counts = torch.zeros(len(params), vocab_size, device=device)
-    if ids:
-        index = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
-        counts.index_put_(index, torch.ones(len(ids), device=device), accumulate=True)
-    return counts
+    return rows, ids
 
 
 def verification_histories(
@@ -77,22 +85,50 @@ def verification_histories(
 
 
 def apply_top_k_top_p(logits: Tensor, params: list[SamplingParams]) -> Tensor:  # [N, V]
-    """Mask everything outside each row's top-k, then outside its top-p nucleus (one sort)."""
+    """Mask everything outside each row's top-k, then outside its top-p nucleus."""
     vocab_size = logits.shape[1]
-    top_k = torch.tensor(
-        [p.top_k if _has_top_k(p, vocab_size) else vocab_size for p in params],
-        device=logits.device,
-    )
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-    sorted_logits, order = logits.sort(dim=-1)  # ascending, [N, V]
-    rank_from_top = vocab_size - torch.arange(vocab_size, device=logits.device)  # [V]
-    outside_top_k = rank_from_top[None, :] > top_k[:, None]  # [N, V]
-    sorted_logits = sorted_logits.masked_fill(outside_top_k, -float("inf"))
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
-    outside_nucleus = cumulative <= (1.0 - top_p[:, None])
-    outside_nucleus[:, -1] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(outside_nucleus, -float("inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    top_ks = [p.top_k if _has_top_k(p, vocab_size) else vocab_size for p in params]
+    top_k = torch.tensor(top_ks, device=logits.device)  # [N], V where off
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)  # [N]
+    num_candidates = max([NUCLEUS_CANDIDATES, *(k for k in top_ks if k < vocab_size)])
+    if num_candidates < vocab_size:
+        masked = _keep_top_k_top_p(logits, top_k, top_p, num_candidates)
+        if masked is not None:
+            return masked
+    masked = _keep_top_k_top_p(logits, top_k, top_p, vocab_size)
+    assert masked is not None
+    return masked
+
+
+def _keep_top_k_top_p(
+    logits: Tensor,  # [N, V]
+    top_k: Tensor,  # [N], V where off
+    top_p: Tensor,  # [N]
+    num_candidates: int,
+) -> Tensor | None:  # [N, V]; None when a nucleus reaches past the candidates
+    vocab_size = logits.shape[1]
+    values, order = _best(logits, num_candidates)  # [N, C], best first
+    rank = torch.arange(num_candidates, device=logits.device)
+    values = values.masked_fill(rank[None, :] >= top_k[:, None], -float("inf"))
+    has_top_k = top_k < vocab_size
+    log_norm = torch.where(has_top_k, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (values - log_norm[:, None]).exp()  # [N, C], renormalized over the top-k if any
+    untouched = ~has_top_k & (top_p >= 1.0)
+    covered = has_top_k | untouched | (probs.sum(dim=-1) >= top_p)
+    if num_candidates < vocab_size and not bool(covered.all()):
+        return None
+    # top_p == 1 keeps everything, even where a float cumsum overshoots 1.
+    threshold = torch.where(top_p >= 1.0, float("inf"), top_p)  # [N]
+    mass_before = probs.cumsum(dim=-1) - probs  # [N, C]
+    values = values.masked_fill(mass_before >= threshold[:, None], -float("inf"))
+    masked = torch.full_like(logits, -float("inf")).scatter_(1, order, values)
+    return torch.where(untouched[:, None], logits, masked)
+
+
+def _best(logits: Tensor, num: int) -> tuple[Tensor, Tensor]:  # [N, V] -> 2 x [N, num]
+    if num >= logits.shape[1]:
+        return logits.sort(dim=-1, descending=True)
+    return logits.topk(num, dim=-1)
 
 
 def apply_min_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:  # [N, V]
@@ -107,26 +143,46 @@ def sample(
     probs: Tensor,  # [N, V]
     generators: list[torch.Generator | None],  # one per row; None: the default generator
 ) -> list[int]:
-    """Exponential race: argmax(p / E), E ~ Exp(1), picks token t with probability p[t]."""
-    return race(probs, exponential_noise(probs, generators)).tolist()
+    """Exponential race: argmax(p / E), E ~ Exp(1), picks token t with probability p[t].
+
+    One-hot rows (greedy) take their argmax without drawing anything."""
+    ids = probs.argmax(dim=-1)  # [N]
+    random_rows: list[int] = (probs.amax(dim=-1) < 1.0).nonzero().flatten().tolist()
+    if random_rows:
+        rows = probs[random_rows]  # [R, V]
+        noise = exponential_noise(rows.shape, [generators[i] for i in random_rows], rows.device)
+        ids[random_rows] = race(rows, noise)
+    return ids.tolist()
 
 
 def exponential_noise(
-    like: Tensor,  # [N, V]
-    generators: list[torch.Generator | None],
-) -> Tensor:  # [N, V] Exp(1) draws, each seeded row from its own generator
-    noise = torch.empty_like(like, dtype=torch.float32)
-    seeded = [i for i, g in enumerate(generators) if g is not None]
-    if len(seeded) < len(generators):
-        noise.exponential_()
-    for i in seeded:
-        noise[i].exponential_(generator=generators[i])
+    shape: torch.Size,  # [R, V]
+    generators: list[torch.Generator | None],  # one per row
+    device: torch.device,
+) -> Tensor:  # [R, V] Exp(1) draws, each seeded row from its own generator
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    noise = torch.empty(shape, device=device)
+    if unseeded:
+        noise[unseeded] = exponential((len(unseeded), shape[1]), None, device)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            noise[i] = exponential((shape[1],), gen, device)
     return noise
 
 
+def exponential(
+    shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device
+) -> Tensor:
+    """Exp(1) as -log(1 - U): several times cheaper on CPU than Tensor.exponential_."""
+    uniform = torch.rand(shape, generator=generator, device=device)  # [0, 1)
+    return uniform.neg_().add_(1.0).log_().neg_()
+
+
 def race(probs: Tensor, noise: Tensor) -> Tensor:  # [..., V], [..., V] -> [...] token ids
+    """argmax(probs / noise), computed in noise's memory (noise is used up)."""
     # A zero draw would turn a zero-probability token into 0/0 = nan, which argmax may pick.
-    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return torch.div(probs, noise, out=noise).argmax(dim=-1)
 
 
 def logprobs_of(

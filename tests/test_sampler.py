@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine import sampler
 from engine.sampler import (
     logprobs_of,
     processed_probs,
@@ -79,7 +80,10 @@ PARAM_CASES = [
 ]
 
 
-def test_masks_match_numpy_reference() -> None:
+@pytest.mark.parametrize("num_candidates", [4, 12, 1024])
+def test_masks_match_numpy_reference(num_candidates: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few candidates force both the partial path and the full-sort fallback."""
+    monkeypatch.setattr(sampler, "NUCLEUS_CANDIDATES", num_candidates)
     gen = torch.Generator().manual_seed(0)
     logits = 2.0 * torch.randn(len(PARAM_CASES), 50, generator=gen)
     probs = processed_probs(logits, PARAM_CASES, [[] for _ in PARAM_CASES])
@@ -87,6 +91,30 @@ def test_masks_match_numpy_reference() -> None:
         expected = reference_probs(logits[row].numpy(), params)
         np.testing.assert_allclose(probs[row].numpy(), expected, atol=1e-6, err_msg=str(params))
         assert ((probs[row] > 0).numpy() == (expected > 0)).all(), params
+
+
+def test_large_vocab_nucleus_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = 6.0 * torch.randn(4, 20_000, generator=gen)
+    logits[3] *= 0.05  # flat: the nucleus reaches past the candidates, so the full sort runs
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, top_k=3000)]
+    params += [SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(top_p=0.5)]
+    probs = processed_probs(logits, params, [[]] * 4).numpy()
+    for row, p in enumerate(params):
+        expected = reference_probs(logits[row].numpy(), p)
+        # float32 cumsums may move the boundary of a huge nucleus by a token
+        assert ((probs[row] > 0) != (expected > 0)).sum() <= (1 if row == 3 else 0), p
+        assert 0.5 * np.abs(probs[row] - expected).sum() < 1e-4, p
+    assert (probs[3] > 0).sum() > 2 * sampler.NUCLEUS_CANDIDATES
+
+
+def test_penalties_leave_the_input_untouched() -> None:
+    logits = torch.tensor([0.0, 1.0, 2.0]).expand(2, -1)  # non-contiguous view
+    before = logits.clone()
+    params = [SamplingParams(frequency_penalty=1.0, temperature=0.0)] * 2
+    probs = processed_probs(logits, params, [[2, 2], []])
+    assert torch.equal(logits, before)
+    assert probs.argmax(dim=-1).tolist() == [1, 2]
 
 
 def test_greedy_rows_are_one_hot_on_penalized_argmax() -> None:

@@ -7,6 +7,8 @@ makes seeded sampling reproducible whatever the batch composition.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -141,7 +143,7 @@ def apply_min_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:  # [N, V
 
 def sample(
     probs: Tensor,  # [N, V]
-    generators: list[torch.Generator | None],  # one per row; None: the default generator
+    generators: Sequence[torch.Generator | None],  # per row; None: the default generator
 ) -> list[int]:
     """Exponential race: argmax(p / E), E ~ Exp(1), picks token t with probability p[t].
 
@@ -157,7 +159,7 @@ def sample(
 
 def exponential_noise(
     shape: torch.Size,  # [R, V]
-    generators: list[torch.Generator | None],  # one per row
+    generators: Sequence[torch.Generator | None],  # one per row
     device: torch.device,
 ) -> Tensor:  # [R, V] Exp(1) draws, each seeded row from its own generator
     unseeded = [i for i, g in enumerate(generators) if g is None]

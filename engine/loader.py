@@ -8,7 +8,10 @@ on later loads.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -51,8 +54,6 @@ class LoadedModel:
         path = self.weights_dir / "generation_config.json"
         if not path.exists():
             return []
-        import json
-
         eos = json.loads(path.read_text()).get("eos_token_id")
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
@@ -132,28 +133,55 @@ def converted_gguf(path: Path) -> Path:
         return out
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     check_supported(architecture_of(config))
+    with _locked(out):
+        if not (out / _CONVERTED_DONE).exists():
+            _convert_into(path, out)
+    return out
+
+
+def _convert_into(path: Path, out: Path) -> None:
     _log(f"converting {path.name} to bfloat16 safetensors (once; takes a minute or more)")
     started = time.monotonic()
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
     try:
         _convert_gguf(path, tmp)
+        tmp.chmod(0o755)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _log(f"converted in {time.monotonic() - started:.0f}s -> {out}")
-    return out
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """One process at a time converts a given file (tests and servers may race)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.with_name(out.name + ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _convert_gguf(path: Path, out: Path) -> None:
+    """Dequantize with transformers' own GGUF reader and name mapping; save bf16 safetensors."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.bfloat16
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config.architectures = [architecture_of(config)]
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)  # only for the tensor name map
+    parsed = load_gguf_checkpoint(
+        str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.bfloat16
     )
-    model.save_pretrained(str(out))
-    del model
+    save_file(parsed["tensors"], str(out / "model.safetensors"), metadata={"format": "pt"})
+    del parsed
+    config.dtype = torch.bfloat16
+    config.save_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
-    (out / _CONVERTED_DONE).write_text(f'{{"source": "{path.resolve()}"}}\n')
+    (out / _CONVERTED_DONE).write_text(json.dumps({"source": str(path.resolve())}) + "\n")

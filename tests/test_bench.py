@@ -128,7 +128,7 @@ def test_parse_spec_counters() -> None:
 class FakeServer:
     """OpenAI-style SSE streaming with a fixed pace: speculative requests get 2 tokens per step."""
 
-    STEP_S = 0.01
+    STEP_S = 0.02
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []  # (mode, prompt text)
@@ -371,56 +371,38 @@ def test_launch_reports_a_server_that_dies(tmp_path: Path, monkeypatch: pytest.M
 # ---------------------------------------------------------------- the real engine, tiny models
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tiny_model_dir: Path, tiny_draft_dir: Path) -> Iterator[str]:
-    import uvicorn
-
-    from engine.async_engine import AsyncLLM
-    from server.app import create_app
-    from server.settings import Settings
-
-    settings = Settings.load(
-        None,
-        model=str(tiny_model_dir),
-        draft_model=str(tiny_draft_dir),
-        served_model_name="tiny",
-        speculative_method="draft",
-        num_speculative_tokens=3,
-        dtype="float32",
-        max_model_len=512,
-        kv_cache_gib=0.05,
-        num_threads=1,
+def _tiny_config(path: Path, target: Path, draft: Path) -> Path:
+    path.write_text(
+        f"model: {target}\n"
+        f"draft_model: {draft}\n"
+        "served_model_name: tiny\n"
+        "speculative_method: draft\n"
+        "num_speculative_tokens: 3\n"
+        "dtype: float32\n"
+        "num_threads: 1\n"
+        "max_model_len: 512\n"
+        "kv_cache_gib: 0.05\n"
+        "log_level: warning\n"
     )
-    engine = AsyncLLM.from_config(settings.engine_config(), "tiny")
-    port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(engine, settings), port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    return path
 
 
 def test_bench_against_tiny_model_server(
-    tmp_path: Path, tiny_server: str, tiny_model_dir: Path, tiny_draft_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, tiny_draft_dir: Path
 ) -> None:
+    """The real `specserve serve` (launched from a config) with the tiny pair, peers included."""
+    config = _tiny_config(tmp_path / "tiny.yaml", tiny_model_dir, tiny_draft_dir)
     code, chat = _write_datasets(tmp_path)
     out = tmp_path / "out"
-    argv = ["--base-url", tiny_server, "--dataset", f"code={code}", "--dataset", f"chat={chat}"]
-    argv += ["--concurrency", "1,4", "--num-prompts", "3", "--max-tokens", "12", "--ignore-eos"]
-    argv += ["--peers", "hf,hf-assisted,hf-prompt-lookup", "--peer-model", str(tiny_model_dir)]
-    argv += ["--peer-draft-model", str(tiny_draft_dir), "--peer-k", "3", "--dtype", "float32"]
-    argv += ["--peer-threads", "1", "--out", str(out)]
+    argv = ["--launch", str(config), "--dataset", f"code={code}", "--dataset", f"chat={chat}"]
+    argv += ["--concurrency", "1,3", "--num-prompts", "2", "--max-tokens", "10", "--ignore-eos"]
+    argv += ["--peers", "hf,hf-assisted,hf-prompt-lookup", "--out", str(out)]
     assert _bench(argv) == 0
 
     rows = json.loads((out / "results.json").read_text())
-    server_rows = _check_outputs(out, {"code", "chat"}, {1, 4})
+    server_rows = _check_outputs(out, {"code", "chat"}, {1, 3})
     for row in server_rows:
-        assert row["output_tokens"] == 12 * row["num_requests"]  # ignore_eos: fixed length
+        assert row["output_tokens"] == 10 * row["num_requests"]  # ignore_eos: fixed length
         if row["mode"] == "plain":
             assert row["acceptance_rate"] is None and row["num_drafts"] is None
             continue
@@ -441,7 +423,7 @@ def test_bench_against_tiny_model_server(
     }
     for row in peers:
         assert row["concurrency"] == 1 and row["num_errors"] == 0
-        assert row["output_tokens"] == 12 * 3
+        assert row["output_tokens"] == 10 * 2
         assert row["ttft_p50_s"] > 0 and row["e2e_p50_s"] >= row["ttft_p50_s"]
         assert row["ratio_vs_server_plain"] > 0
         assert row["prompt_ids"] == next(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import types
 import typing
@@ -98,6 +99,10 @@ def serve(settings: Settings) -> int:
     )
     server = _graceful_server(config, app.state.server)
     logger.info("listening on %s; /health answers 503 until the model is loaded", url)
+    # uvicorn re-raises the signal after its graceful shutdown; a no-op handler underneath
+    # turns that into a normal exit with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run()
     return 1 if failed else 0
 

@@ -67,8 +67,6 @@ def serve(settings: Settings) -> int:
     url = f"http://{settings.host}:{settings.port}"
 
     def load() -> Any:
-        from engine.async_engine import AsyncLLM
-
         logger.info(
             "loading target model %s (%s on %s)", settings.model, settings.dtype, settings.device
         )
@@ -80,6 +78,8 @@ def serve(settings: Settings) -> int:
                 settings.ngram_min,
                 settings.ngram_max,
             )
+        from engine.async_engine import AsyncLLM
+
         return AsyncLLM.from_config(settings.engine_config(), settings.model_name)
 
     def on_load_error(exc: BaseException) -> None:

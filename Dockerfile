@@ -27,7 +27,7 @@ RUN if ! command -v python3 >/dev/null; then \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
     && python3 -m venv /opt/venv \
-    && useradd --create-home --uid 1000 --shell /usr/sbin/nologin specserve \
+    && useradd --create-home --shell /usr/sbin/nologin specserve \
     && mkdir -p /models && chown specserve:specserve /models
 
 WORKDIR /app

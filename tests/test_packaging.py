@@ -154,6 +154,8 @@ def test_dockerfile_essentials(dockerfile: str) -> None:
         assert f"ARG {arg}" in lines
     user = [ln for ln in lines if ln.startswith("USER ")]
     assert user and user[-1] != "USER root"
+    username = user[-1].split()[1]
+    assert any(re.search(rf"useradd [^&;]*\b{username}\b", ln) for ln in lines)
     health = next(ln for ln in lines if ln.startswith("HEALTHCHECK"))
     assert "/health" in health
     cmd = json.loads(next(ln for ln in lines if ln.startswith("CMD "))[4:])

@@ -9,6 +9,7 @@ from typing import Any
 Row = dict[str, Any]
 
 PLOTS = ("speedup.png", "acceptance_per_position.png", "latency.png")
+_MODE_COLORS = {"spec": "tab:orange", "plain": "tab:blue"}
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -185,7 +186,11 @@ def plot_latency(path: Path, requests: list[Row]) -> None:
         axes, ("ttft_s", "itl_s", "e2e_s"), ("TTFT", "ITL", "E2E"), strict=True
     ):
         data = [groups[k][metric] or [0.0] for k in keys]
-        ax.boxplot(data, showfliers=False)
+        boxes = ax.boxplot(
+            data, showfliers=False, patch_artist=True, medianprops={"color": "black"}
+        )
+        for box, key in zip(boxes["boxes"], keys, strict=True):
+            box.set_facecolor(_MODE_COLORS.get(key[2], "lightgrey"))
         ax.set_xticks(range(1, len(keys) + 1), ["\n".join(k) for k in keys], fontsize=7)
         ax.set_ylabel(f"{title} (s)")
     axes[0].set_title("Latency distributions by category, load and mode")

@@ -19,6 +19,11 @@ class SpeculativeConfig:
     # Speculation stops paying once the batch is large enough that a verify pass is compute-bound:
     # above this many running requests every request decodes plainly (0 = never disable).
     disable_by_batch_size: int = 0
+    # Choose each step's k (0..num_speculative_tokens) from measured draft/verify costs and each
+    # request's measured acceptance, so speculation switches itself off where it would not pay.
+    adaptive: bool = True
+    # Draft model: stop drafting a request once the draft's probability for its pick falls below this.
+    draft_p_min: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in ("none", "draft", "ngram"):
@@ -27,6 +32,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative method 'draft' needs a draft_model")
+        if not 0.0 <= self.draft_p_min < 1.0:
+            raise ValueError("draft_p_min must be in [0, 1)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
 

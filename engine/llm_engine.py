@@ -16,10 +16,11 @@ from engine.model_runner import ForwardInput, ModelRunner
 from engine.outputs import RequestOutput, RequestTimes, SpecStats, StepStats, TokenLogprob
 from engine.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
 from engine.rejection_sampler import verify
-from engine.sampler import logprobs_of, processed_probs
+from engine.sampler import logprobs_of, processed_probs, verification_histories
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+from engine.spec_policy import SpeculationPolicy
 
 log = logging.getLogger("specserve.engine")
 
@@ -40,12 +41,18 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or 1 << 30, self.target.max_model_len)
         self.eos_token_ids = frozenset(self.target.eos_token_ids)
         self.draft: ModelRunner | None = None
+        spec = config.speculative
+        self.policy = (
+            SpeculationPolicy(spec.num_speculative_tokens, spec.method == "draft")
+            if spec.enabled and spec.adaptive
+            else None
+        )
         self.proposer: Proposer = self._build_proposer()
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
             runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.policy)
         self.seqs: dict[str, Sequence] = {}
         self.last_stats: StepStats | None = None
         log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
@@ -105,7 +112,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         proposals = self.proposer.propose(batch.scheduled)
-        logits = self.target.forward(self._verify_inputs(batch.scheduled, proposals))
+        logits = self._verify(self._verify_inputs(batch.scheduled, proposals))
         stats = self._accept(batch.scheduled, proposals, logits)
         stats.num_preemptions = batch.num_preempted
         self.last_stats = stats
@@ -126,6 +133,13 @@ class LLMEngine:
         return seqs
 
     # ---- the speculative step --------------------------------------------------------------
+
+    def _verify(self, inputs: list[ForwardInput]) -> torch.Tensor:
+        started = time.perf_counter()
+        logits = self.target.forward(inputs)
+        if self.policy is not None:
+            self.policy.observe_target(sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
+        return logits
 
     def _verify_inputs(self, batch: list[ScheduledSeq], proposals: list[Proposal]) -> list[ForwardInput]:
         """The target sees each request's new tokens plus its drafts, all in one ragged forward."""
@@ -162,12 +176,13 @@ class LLMEngine:
             # is drawn from norm(max(0, p - q)); if all k pass, the bonus token is drawn from p.
             # Greedy: accept while x_i == argmax p. The emitted tokens then follow p exactly.
             target_logits = rows[-(k + 1) :]  # [k + 1, vocab_size]
-            history = [seq.output_token_ids + proposal.token_ids[:i] for i in range(k + 1)]
+            history = verification_histories(seq.output_token_ids, proposal.token_ids)
             target_probs = processed_probs(target_logits, [seq.params] * (k + 1), history)
             draft_probs = self._match_vocab(proposal.probs, target_probs.shape[-1])
             tokens = verify(target_probs, proposal.token_ids, draft_probs, seq.params.greedy, seq.generator)
             num_accepted = len(tokens) - 1
             seq.spec.add(k, num_accepted)
+            seq.acceptance.observe(k, num_accepted)
             spec.add(k, num_accepted)
             seq.num_computed_tokens += item.num_new_tokens + num_accepted
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
@@ -289,7 +304,8 @@ class LLMEngine:
             loaded = load_model(spec.draft_model)
             check_same_vocab(self.tokenizer, loaded.tokenizer)
             self.draft = ModelRunner(loaded, self.config.device, self.config.dtype, self.config.block_size)
-            return DraftModelProposer(self.draft)
+            on_forward = self.policy.observe_draft if self.policy is not None else None
+            return DraftModelProposer(self.draft, spec.draft_p_min, on_forward)
         return NoProposer()
 
     def _runners(self) -> list[ModelRunner]:

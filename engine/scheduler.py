@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_policy import SpeculationPolicy
 
 
 @dataclass
@@ -35,8 +36,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        policy: SpeculationPolicy | None = None,
+    ) -> None:
         self.config = config
+        self.policy = policy
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -52,12 +60,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         num_preempted = 0
-        speculate = self._speculation_allowed()
+        step_k = self._step_k()
         # Running requests first (decodes before prefills, so a long prompt never stalls them).
         for seq in sorted(list(self.running), key=lambda s: s.num_uncomputed_tokens > 1):
             if seq not in self.running or budget <= 0:
                 continue
-            item = self._plan(seq, budget, speculate)
+            item = self._plan(seq, budget, step_k)
             while not self.blocks.grow(seq.block_table, self._positions(item)):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -71,7 +79,7 @@ class Scheduler:
         scheduled = [s for s in scheduled if s.seq.status == SequenceStatus.RUNNING]
         # Then admit waiting requests, oldest first, while budgets and blocks allow.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            item = self._admit(self.waiting[0], budget, speculate)
+            item = self._admit(self.waiting[0], budget, step_k)
             if item is None:
                 break
             self.waiting.popleft()
@@ -97,14 +105,21 @@ class Scheduler:
             computed = min(computed, seq.num_draft_computed_tokens)
         self.blocks.cache_full_blocks(seq.token_ids, seq.block_table, computed)
 
-    def _speculation_allowed(self) -> bool:
-        limit = self.config.speculative.disable_by_batch_size
-        return self.config.speculative.enabled and not (limit and len(self.running) > limit)
+    def _step_k(self) -> int:
+        """The most drafts any request may get this step (its own k caps it further)."""
+        spec = self.config.speculative
+        limit = spec.disable_by_batch_size
+        if not spec.enabled or (limit and len(self.running) > limit):
+            return 0
+        if self.policy is None:
+            return spec.num_speculative_tokens
+        rates = [s.acceptance.rate for s in self.running if s.num_speculative_tokens > 0]
+        return self.policy.choose_k(rates or [0.5], other_tokens=0)
 
-    def _plan(self, seq: Sequence, budget: int, speculate: bool) -> ScheduledSeq:
+    def _plan(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq:
         n = min(seq.num_uncomputed_tokens, budget)
         k = 0
-        if speculate and seq.num_computed_tokens + n == seq.num_tokens:
+        if step_k and seq.num_computed_tokens + n == seq.num_tokens:
             # Room left: the final emitted token is always the target's own, so at most
             # max_tokens - outputs - 1 drafts, and never past the context window.
             room = min(
@@ -112,17 +127,17 @@ class Scheduler:
                 self.max_model_len - seq.num_tokens - 1,
                 budget - n,
             )
-            k = max(0, min(seq.num_speculative_tokens, room))
+            k = max(0, min(seq.num_speculative_tokens, step_k, room))
         return ScheduledSeq(seq, n, k)
 
     def _positions(self, item: ScheduledSeq) -> int:
         return item.seq.num_computed_tokens + item.num_new_tokens + item.num_spec_tokens
 
-    def _admit(self, seq: Sequence, budget: int, speculate: bool) -> ScheduledSeq | None:
+    def _admit(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq | None:
         cached = [] if seq.wants_prompt_logprobs else self.blocks.match_prefix(seq.token_ids)
         num_cached = len(cached) * self.blocks.block_size
         seq.num_computed_tokens = seq.num_draft_computed_tokens = num_cached
-        item = self._plan(seq, budget, speculate)
+        item = self._plan(seq, budget, step_k)
         needed = self.blocks.blocks_needed(self._positions(item)) - len(cached)
         if not self.blocks.can_allocate(needed + self.blocks.num_free_among(cached)):
             seq.num_computed_tokens = seq.num_draft_computed_tokens = 0

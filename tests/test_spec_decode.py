@@ -29,9 +29,10 @@ def plain(tiny_model_dir: Path) -> LLMEngine:
 
 def _spec_engine(kind: str, model: Path, draft: Path, k: int = 4) -> LLMEngine:
     if kind == "ngram":
-        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3)
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3,
+                                 adaptive=False)
     else:
-        spec = SpeculativeConfig(method="draft", num_speculative_tokens=k,
+        spec = SpeculativeConfig(method="draft", num_speculative_tokens=k, adaptive=False,
                                  draft_model=str(model if kind == "self-draft" else draft))
     return make_engine(model, speculative=spec)
 
@@ -81,7 +82,8 @@ def test_stops_inside_accepted_runs(kind: str, plain: LLMEngine, tiny_model_dir:
 
 def test_greedy_speculation_with_chunked_prefill_and_preemption(tiny_model_dir: Path, tiny_draft_dir: Path,
                                                                   plain: LLMEngine, vocab: int) -> None:
-    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model=str(tiny_draft_dir))
+    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model=str(tiny_draft_dir),
+                             adaptive=False)
     engine = make_engine(tiny_model_dir, speculative=spec, num_kv_blocks=24, max_num_batched_tokens=9)
     prompts = random_prompts(4, (15, 30), vocab, seed=43)
     assert outputs(engine, prompts, greedy(MAX_TOKENS)) == outputs(plain, prompts, greedy(MAX_TOKENS))
@@ -134,8 +136,10 @@ def test_sampled_pairs_follow_target_distribution(kind: str, tiny_model_dir: Pat
     prompt = prompt + prompt  # gives the n-gram proposer something to match
     spec = {
         "none": SpeculativeConfig(),
-        "draft": SpeculativeConfig(method="draft", num_speculative_tokens=2, draft_model=str(tiny_draft_dir)),
-        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=3),
+        "draft": SpeculativeConfig(method="draft", num_speculative_tokens=2, draft_model=str(tiny_draft_dir),
+                                   adaptive=False),
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=3,
+                                   adaptive=False),
     }[kind]
     engine = make_engine(tiny_model_dir, speculative=spec, num_kv_blocks=4096, max_num_seqs=256,
                          max_num_batched_tokens=8192)
@@ -143,3 +147,14 @@ def test_sampled_pairs_follow_target_distribution(kind: str, tiny_model_dir: Pat
     assert (drafted > 0) == (kind != "none")
     assert len(set(pairs)) > 10  # not vacuous: sampling really spreads over many pairs
     assert _chi_square_pvalue(pairs, _exact_pair_probs(tiny_model_dir, prompt)) > 1e-3
+
+
+@pytest.mark.parametrize("p_min", [0.0, 0.3])
+def test_adaptive_k_and_confidence_cutoff_stay_lossless(p_min: float, plain: LLMEngine, tiny_model_dir: Path,
+                                                        tiny_draft_dir: Path, vocab: int) -> None:
+    spec = SpeculativeConfig(method="draft", num_speculative_tokens=4, draft_model=str(tiny_draft_dir),
+                             adaptive=True, draft_p_min=p_min)
+    engine = make_engine(tiny_model_dir, speculative=spec)
+    prompts = random_prompts(6, (3, 30), vocab, seed=53)
+    assert outputs(engine, prompts, greedy(20)) == outputs(plain, prompts, greedy(20))
+    assert engine.policy is not None and engine.policy.target_cost.known

@@ -8,6 +8,9 @@ Rejected drafts need no rollback: the engine clamps `num_draft_computed_tokens` 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 from engine.model_runner import ForwardInput, ModelRunner
@@ -18,21 +21,38 @@ from engine.sequence import Sequence
 
 
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        p_min: float = 0.0,
+        on_forward: Callable[[int, float], None] | None = None,  # (tokens, seconds) per forward
+    ) -> None:
         self.runner = runner
+        self.p_min = p_min
+        self.on_forward = on_forward
 
     def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
         synced = [item for item in batch if item.seq.num_speculative_tokens > 0]
         drafting = [item for item in synced if item.num_spec_tokens > 0]
         drafts: dict[int, list[int]] = {id(item): [] for item in drafting}
         probs: dict[int, list[torch.Tensor]] = {id(item): [] for item in drafting}
-        logits = self.runner.forward([self._catch_up(item) for item in synced])
+        logits = self._forward([self._catch_up(item) for item in synced])
+        active = drafting
         for step in range(max((item.num_spec_tokens for item in drafting), default=0)):
-            active = [item for item in drafting if item.num_spec_tokens > step]
             if step > 0:
-                logits = self.runner.forward([self._feed_last(item, drafts[id(item)]) for item in active])
-            self._draft_one(active, logits, drafts, probs)
+                logits = self._forward([self._feed_last(item, drafts[id(item)]) for item in active])
+            confident = self._draft_one(active, logits, drafts, probs)
+            active = [item for item, ok in zip(active, confident) if ok and item.num_spec_tokens > step + 1]
+            if not active:
+                break
         return [self._proposal(item, drafts, probs) for item in batch]
+
+    def _forward(self, inputs: list[ForwardInput]) -> torch.Tensor:
+        started = time.perf_counter()
+        logits = self.runner.forward(inputs)
+        if self.on_forward is not None and inputs:
+            self.on_forward(sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
+        return logits
 
     def _catch_up(self, item: ScheduledSeq) -> ForwardInput:
         seq = item.seq
@@ -53,14 +73,18 @@ class DraftModelProposer:
         logits: torch.Tensor,  # [len(active), draft_vocab]
         drafts: dict[int, list[int]],
         probs: dict[int, list[torch.Tensor]],
-    ) -> None:
+    ) -> list[bool]:
+        """Draft one token for each active request; False where the draft is no longer confident."""
         seqs = [item.seq for item in active]
         history = [seq.output_token_ids + drafts[id(item)] for seq, item in zip(seqs, active)]
         step_probs = processed_probs(logits, [seq.params for seq in seqs], history)
         tokens = sample(step_probs, [seq.generator for seq in seqs])
+        # Confidence uses the raw draft distribution, so greedy (one-hot) rows are judged too.
+        confidence = torch.softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens].tolist()
         for row, (item, token) in enumerate(zip(active, tokens)):
             drafts[id(item)].append(token)
             probs[id(item)].append(step_probs[row])
+        return [p >= self.p_min for p in confidence]
 
     @staticmethod
     def _proposal(

@@ -122,6 +122,22 @@ def test_parse_spec_counters() -> None:
     assert c.acceptance_per_pos() == pytest.approx([0.9, 0.7])
 
 
+def test_rounds_cycle_prompts_and_alternate_modes() -> None:
+    from bench.runner import Load, mode_order, rounds_for
+
+    prompts = [datasets.Prompt("c", f"p{i}", prompt=str(i)) for i in range(3)]
+    rounds = rounds_for(prompts, Load(concurrency=2), seed=0)
+    assert [[p.prompt_id for p in r.prompts] for r in rounds] == [["p0", "p1"], ["p2", "p0"]]
+    wide = rounds_for(prompts, Load(concurrency=5), seed=0)
+    assert len(wide) == 1 and len(wide[0].prompts) == 5
+    poisson = rounds_for(prompts, Load(request_rate=2.0), seed=3)
+    offsets = poisson[0].offsets_s
+    assert offsets is not None and offsets[0] == 0 and offsets == sorted(offsets)
+    assert offsets == rounds_for(prompts, Load(request_rate=2.0), seed=3)[0].offsets_s
+    assert [mode_order(i, 0)[0] for i in range(4)] == ["spec", "plain", "spec", "plain"]
+    assert mode_order(0, 1) == ("plain", "spec")  # the next repeat starts the other way round
+
+
 # ---------------------------------------------------------------- a fake streaming server
 
 

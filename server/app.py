@@ -270,10 +270,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def validation_error(errors: Any) -> APIError:
     """The first pydantic error as a 400, with `param` the field's dotted path."""
-    err = next(iter(errors), {"loc": (), "msg": "invalid request", "type": ""})
+    err: dict[str, Any] = next(iter(errors), {"loc": (), "msg": "invalid request", "type": ""})
     param = _param_of(err.get("loc", ()))
     if err.get("type") == "json_invalid":
-        return bad_request(f"malformed JSON body: {err.get('ctx', {}).get('error', '')}".strip())
+        detail = (err.get("ctx") or {}).get("error", "")
+        return bad_request(f"malformed JSON body: {detail}".strip())
     if err.get("type") == "missing" and param is None:
         return bad_request("the request body must be a JSON object")
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -264,7 +264,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running jobs
 
-    async def run(self, jobs: list[Job]) -> AsyncIterator[tuple[Job, RequestOutput]]:
+    async def run(self, jobs: list[Job]) -> AsyncGenerator[tuple[Job, RequestOutput]]:
         """Merge the jobs' output streams; on any exit, abort the unfinished ones."""
         queue: asyncio.Queue[tuple[Job, RequestOutput | BaseException | None]] = asyncio.Queue()
         unfinished = {job.request_id for job in jobs}

@@ -34,32 +34,58 @@ class Settings(BaseSettings):
     )
 
     model: str = Field(description="target model: folder, .gguf file, hub id or bundled:NAME")
-    draft_model: str | None = Field(None, description="draft model for --speculative-method draft")
-    served_model_name: str | None = Field(None, description="model name clients use")
-    speculative_method: Literal["none", "draft", "ngram"] = Field("none", description="speculation")
-    num_speculative_tokens: int = Field(4, ge=0, le=64, description="k: draft tokens per step")
-    ngram_min: int = Field(1, ge=1, description="shortest n-gram the n-gram proposer matches")
-    ngram_max: int = Field(4, ge=1, description="longest n-gram the n-gram proposer matches")
+    draft_model: str | None = Field(
+        default=None, description="draft model for --speculative-method draft"
+    )
+    served_model_name: str | None = Field(default=None, description="model name clients use")
+    speculative_method: Literal["none", "draft", "ngram"] = Field(
+        default="none", description="speculation"
+    )
+    num_speculative_tokens: int = Field(
+        default=4, ge=0, le=64, description="k: draft tokens per step"
+    )
+    ngram_min: int = Field(
+        default=1, ge=1, description="shortest n-gram the n-gram proposer matches"
+    )
+    ngram_max: int = Field(
+        default=4, ge=1, description="longest n-gram the n-gram proposer matches"
+    )
     speculative_disable_batch_size: int = Field(
-        0, ge=0, description="decode plainly above this many running requests (0: never)"
+        default=0, ge=0, description="decode plainly above this many running requests (0: never)"
     )
-    device: str = Field("cpu", description="cpu, cuda, cuda:N")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="weights")
-    host: str = Field("127.0.0.1", description="address to listen on")
-    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    speculative_adaptive: bool = Field(
+        default=True, description="choose each step's k from measured costs and acceptance"
+    )
+    draft_p_min: float = Field(
+        default=0.0, ge=0, lt=1, description="stop drafting below this draft probability"
+    )
+    device: str = Field(default="cpu", description="cpu, cuda, cuda:N")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="bfloat16", description="weights"
+    )
+    host: str = Field(default="127.0.0.1", description="address to listen on")
+    port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     api_key: str | None = Field(
-        None, description="require this bearer token (all but /health, /metrics)"
+        default=None, description="require this bearer token (all but /health, /metrics)"
     )
-    max_num_seqs: int = Field(16, ge=1, description="most requests in one batch")
-    max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one step")
-    max_model_len: int | None = Field(None, ge=1, description="context window (default: model's)")
-    block_size: int = Field(16, ge=1, description="KV cache block size in tokens")
-    kv_cache_gib: float = Field(2.0, gt=0, description="KV cache size on CPU, GiB")
-    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prefixes")
-    num_threads: int | None = Field(None, ge=1, description="torch threads on CPU")
-    max_waiting_requests: int = Field(256, ge=1, description="429 once this many wait")
-    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, time to finish requests")
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging")
+    max_num_seqs: int = Field(default=16, ge=1, description="most requests in one batch")
+    max_num_batched_tokens: int = Field(default=512, ge=1, description="token budget of one step")
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="context window (default: model's)"
+    )
+    block_size: int = Field(default=16, ge=1, description="KV cache block size in tokens")
+    kv_cache_gib: float = Field(default=2.0, gt=0, description="KV cache size on CPU, GiB")
+    enable_prefix_caching: bool = Field(
+        default=True, description="reuse KV blocks of shared prefixes"
+    )
+    num_threads: int | None = Field(default=None, ge=1, description="torch threads on CPU")
+    max_waiting_requests: int = Field(default=256, ge=1, description="429 once this many wait")
+    shutdown_grace_s: float = Field(
+        default=30.0, ge=0, description="on SIGTERM, time to finish requests"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="logging"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
@@ -104,6 +130,8 @@ class Settings(BaseSettings):
             ngram_min=self.ngram_min,
             ngram_max=self.ngram_max,
             disable_by_batch_size=self.speculative_disable_batch_size,
+            adaptive=self.speculative_adaptive,
+            draft_p_min=self.draft_p_min,
         )
         return EngineConfig(
             model=self.model,

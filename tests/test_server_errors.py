@@ -171,7 +171,7 @@ def test_api_key(server: RealServer) -> None:
 
 
 def test_odd_but_valid_values_never_hurt_the_engine(server: RealServer, http: httpx.Client) -> None:
-    odd = [
+    odd: list[dict[str, Any]] = [
         {"temperature": 1e-30},
         {"temperature": 2, "top_p": 1e-9},
         {"top_k": 10**9, "min_p": 1.0},

@@ -202,6 +202,11 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
+    @property
+    def end_offset(self) -> int:
+        """Offsets sum the tokens' own texts (a partial UTF-8 token reads as U+FFFD)."""
+        return self.text_offset[-1] + len(self.tokens[-1]) if self.tokens else 0
+
 
 class CompletionChoice(BaseModel):
     index: int

@@ -85,6 +85,7 @@ class Choice:
     num_cached_tokens: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     num_outputs: int = 0
+    next_text_offset: int = 0  # streamed logprobs: where the next token's text_offset starts
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text
@@ -355,15 +356,13 @@ class OpenAIServing:
         self, response_id: str, req: CompletionRequest, c: Choice, out: RequestOutput
     ) -> CompletionResponse:
         first = c.num_outputs == 1
-        echo = self._echo_text(c.job) if req.echo else ""
-        prefix = echo if first else ""
+        prefix = self._echo_text(c.job) if req.echo and first else ""
         logprobs = None
         if req.logprobs is not None:
             entries = self._prompt_entries(c) if req.echo and first else []
             entries += [(lp.token_id, lp) for lp in out.new_logprobs or []]
-            # offsets count from the start of this choice's text, echoed prompt included
-            start = len(echo) - len(prefix) + len(c.text) - len(out.new_text)
-            logprobs = self.completion_logprobs(entries, start)
+            logprobs = self.completion_logprobs(entries, c.next_text_offset)
+            c.next_text_offset = logprobs.end_offset or c.next_text_offset
         choice = CompletionChoice(
             index=c.job.index,
             text=prefix + out.new_text,

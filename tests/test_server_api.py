@@ -296,3 +296,20 @@ def test_models_and_tokenizer_routes(server: RealServer, client: openai.OpenAI) 
         assert info["eos_token"] == "<|endoftext|>" and "im_start" in info["chat_template"]
         assert http.get("/version").json()["version"]
         assert http.get("/health").json() == {"status": "ready"}
+
+
+def test_streamed_logprobs_match(client: openai.OpenAI) -> None:
+    kw = greedy(max_tokens=10, ignore_eos=True, logprobs=2, echo=True)
+    full = client.completions.create(prompt=PROMPT, **kw).choices[0].logprobs
+    tokens: list[str] = []
+    values: list[float | None] = []
+    offsets: list[int] = []
+    for chunk in client.completions.create(prompt=PROMPT, stream=True, **kw):
+        lp = chunk.choices[0].logprobs
+        assert lp is not None
+        tokens += lp.tokens or []
+        values += lp.token_logprobs or []
+        offsets += lp.text_offset or []
+    assert full is not None
+    assert tokens == full.tokens and offsets == full.text_offset
+    assert values == pytest.approx(full.token_logprobs)

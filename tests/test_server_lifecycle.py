@@ -97,6 +97,22 @@ def test_engine_death_mid_stream_is_an_error_event(dying_server: Any) -> None:
         assert r.status_code == 503
 
 
+def test_shutting_down_refuses_new_requests(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    engine = FakeEngine(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    app = create_app(engine, settings_for(tiny_model_dir))  # type: ignore[arg-type]
+    with LiveServer(app) as live, httpx.Client(base_url=live.url) as http:
+        assert http.get("/health").status_code == 200
+        app.state.server.shutting_down = True  # what the SIGTERM handler sets
+        assert http.get("/health").json() == {"status": "shutting_down"}
+        r = http.post("/v1/completions", json={"prompt": "hi"})
+        assert (
+            r.status_code == 503 and "shutting down" in assert_error_shape(r.json(), 503)["message"]
+        )
+    assert engine.stopped, "the app shuts its engine down"
+
+
 def test_engine_death_during_a_full_response_is_503(dying_server: Any) -> None:
     live, _ = dying_server
     with httpx.Client(base_url=live.url) as http:

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +148,7 @@ def run_job(job: PeerJob) -> list[dict[str, Any]]:
             raise ValueError("hf-assisted needs a draft model")
         draft, _ = load_hf_model(job.draft_model, job.dtype, job.device)
     prompts = {c: [Prompt(**_prompt_args(p)) for p in ps] for c, ps in job.prompts.items()}
+    warmup(model, tokenizer, draft, job, next(iter(prompts.values()))[0])
     total = job.repeats * len(job.modes) * sum(map(len, prompts.values()))
     records = []
     with tqdm(total=total, desc="peers", unit="req") as bar:
@@ -163,6 +164,14 @@ def run_job(job: PeerJob) -> list[dict[str, Any]]:
                         records.append({"category": category, "repeat": repeat, **asdict(res)})
                         bar.update(1)
     return records
+
+
+def warmup(model: Any, tokenizer: Any, draft: Any, job: PeerJob, prompt: Prompt) -> None:
+    """One short generate per mode, so that one-off costs stay out of the first measurement."""
+    short = replace(job, max_tokens=4, ignore_eos=False)
+    ids = prompt_ids(tokenizer, prompt)
+    for mode in job.modes:
+        generate_one(model, tokenizer, ids, mode, short, draft)
 
 
 def _prompt_args(fields: dict[str, Any]) -> dict[str, Any]:

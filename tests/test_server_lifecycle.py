@@ -148,6 +148,7 @@ def test_serve_sigterm_finishes_running_requests(tiny_model_dir: Path, tmp_path:
                 lines = r.iter_lines()
                 first = next(line for line in lines if line.startswith("data:"))
                 proc.send_signal(signal.SIGTERM)
+                assert _new_request_refused(url)
                 rest = [line[5:].strip() for line in lines if line.startswith("data:")]
         chunks = [json.loads(first[5:])] + [json.loads(d) for d in rest[:-1]]
         assert rest[-1] == "[DONE]"
@@ -160,6 +161,15 @@ def test_serve_sigterm_finishes_running_requests(tiny_model_dir: Path, tmp_path:
     log_text = log_path.read_text()
     for expected in ("loading target model", f"ready on {url}", "signal"):
         assert expected in log_text, log_text[-3000:]
+
+
+def _new_request_refused(url: str) -> bool:
+    time.sleep(0.3)  # the signal is handled asynchronously
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+    except httpx.TransportError:
+        return True  # uvicorn has closed its listening socket
+    return r.status_code == 503
 
 
 def _health_until_ready(url: str, proc: subprocess.Popen[bytes]) -> list[int]:

@@ -258,6 +258,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     spec_decode: SpecDecodeSummary | None = None
 
@@ -285,6 +286,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     spec_decode: SpecDecodeSummary | None = None
 

@@ -397,6 +397,7 @@ class OpenAIServing:
             logprobs=self.chat_logprobs(req, c.logprobs),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            prompt_token_ids=c.job.prompt_ids if req.return_token_ids else None,
             token_ids=c.token_ids if req.return_token_ids else None,
             spec_decode=spec_summary(c.spec),
         )
@@ -416,6 +417,7 @@ class OpenAIServing:
             logprobs=self.chat_logprobs(req, out.new_logprobs or []),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason if out.finished else None,
+            prompt_token_ids=c.job.prompt_ids if req.return_token_ids and first else None,
             token_ids=out.new_token_ids if req.return_token_ids else None,
             spec_decode=spec_summary(c.spec) if out.finished else None,
         )

@@ -313,3 +313,17 @@ def test_streamed_logprobs_match(client: openai.OpenAI) -> None:
     assert full is not None
     assert tokens == full.tokens and offsets == full.text_offset
     assert values == pytest.approx(full.token_logprobs)
+
+
+def test_chat_return_token_ids(client: openai.OpenAI, tokenizer: Any) -> None:
+    kw = greedy(max_tokens=6, extra_body={"return_token_ids": True})
+    r = client.chat.completions.create(messages=MESSAGES, **kw)
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    extra = r.choices[0].model_extra or {}
+    assert extra["prompt_token_ids"] == prompt_ids == (r.model_extra or {})["prompt_token_ids"]
+    assert tokenizer.decode(extra["token_ids"]) == r.choices[0].message.content
+    streamed: list[int] = []
+    for chunk in client.chat.completions.create(messages=MESSAGES, stream=True, **kw):
+        streamed += (chunk.choices[0].model_extra or {}).get("token_ids") or []
+    assert streamed == extra["token_ids"]

@@ -95,7 +95,7 @@ def serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
     )
     server = _graceful_server(config, app.state.server)
     logger.info("listening on %s; /health answers 503 until the model is loaded", url)

@@ -110,7 +110,6 @@ async def _read_stream(resp: httpx.Response, result: RequestResult) -> None:
         now = time.perf_counter()
         if result.ttft_s is None:
             result.ttft_s = now - result.start
-            result.itl_s.extend([0.0] * (n - 1))  # the rest of a first chunk came with the first
         else:
             # A speculative step delivers several tokens at once: each gets a share of the gap.
             result.itl_s.extend([(now - last) / n] * n)

@@ -129,7 +129,6 @@ def _fill_timing(result: RequestResult, streamer: TimingStreamer, end: float, n_
     for i, (at, n) in enumerate(streamer.arrivals):
         if i == 0:
             result.ttft_s = at - result.start
-            result.itl_s.extend([0.0] * (n - 1))
         else:
             result.itl_s.extend([(at - last) / n] * n)
         last = at

@@ -39,6 +39,7 @@ from server.protocol import (
     SpecDecodeSummary,
     TopLogprob,
     UsageInfo,
+    now,
     random_id,
 )
 from server.settings import Settings
@@ -439,11 +440,13 @@ class OpenAIServing:
         async def events() -> AsyncIterator[str]:
             choices = {job.index: Choice(job) for job in jobs}
             last: CompletionResponse | ChatCompletionChunk | None = None
+            created = now()  # one timestamp for every chunk, as OpenAI does
             try:
                 async with aclosing(self.run(jobs)) as outputs:
                     async for job, out in outputs:
                         choices[job.index].add(out)
                         last = make_chunk(choices[job.index], out)
+                        last.created = created
                         yield dump(last)
                 if req.include_usage and last is not None:
                     yield dump(self._usage_chunk(last, list(choices.values())))

@@ -6,6 +6,10 @@ request's whole context through its block table into a padded batch and runs SDP
 causal + padding mask. Requests are grouped so that one long prefill chunk does not pad every
 single-token decode in the batch up to its length: short queries (decodes, k+1 verify queries)
 share one group, each long query gets its own.
+
+Long queries go through SDPA. Short ones use plain float32 matmul + softmax with the query
+heads of a KV head stacked as rows: CPU SDPA kernels are 10-40x slower for a batch of
+one-token queries, and float32 keeps the small batched case at least as exact as SDPA.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ class AttentionGroup:
     batch: int  # requests in the group
     max_query_len: int
     block_tables: torch.Tensor  # [batch, max_blocks] int64, padded with block 0
-    mask: torch.Tensor | None  # [batch, 1, max_query_len, max_blocks * block_size] bool
+    # Long groups: a bool SDPA mask [batch, 1, max_query_len, kv_len] (None: attend to all).
+    # Short groups: an additive float32 bias [batch, 1, 1, max_query_len, kv_len].
+    mask: torch.Tensor | None
     query_index: torch.Tensor | None  # [group_tokens] int64 rows of the padded query; None = dense
 
 
@@ -103,20 +109,21 @@ def _build_group(
         n = -(-span.context_len // block_size)
         tables[b, :n] = torch.tensor(span.block_table[:n], dtype=torch.int64)
     num_tokens = sum(span.num_tokens for span in run)
+    mask = _mask(run, max_q, max_blocks * block_size)
+    if max_q <= SHORT_QUERY_MAX and mask is not None:
+        mask = _bias(mask)
     return AttentionGroup(
         token_start=token_start,
         token_end=token_start + num_tokens,
         batch=len(run),
         max_query_len=max_q,
         block_tables=tables.to(device, non_blocking=True),
-        mask=_mask(run, max_q, max_blocks * block_size, device),
+        mask=None if mask is None else mask.to(device, non_blocking=True),
         query_index=_query_index(run, max_q, device),
     )
 
 
-def _mask(
-    run: list[RequestSpan], max_q: int, kv_len: int, device: torch.device
-) -> torch.Tensor | None:
+def _mask(run: list[RequestSpan], max_q: int, kv_len: int) -> torch.Tensor | None:
     """Query j of a request sees keys [0, start_pos + j]; padded query rows see key 0 only."""
     if len(run) == 1 and run[0].num_tokens == 1 and run[0].context_len == kv_len:
         return None
@@ -127,7 +134,13 @@ def _mask(
     last_key = torch.where(j[None, :] < qlen[:, None], last_key, 0)
     keys = torch.arange(kv_len)
     mask = keys[None, None, :] <= last_key[:, :, None]  # [batch, max_q, kv_len]
-    return mask[:, None].to(device, non_blocking=True)
+    return mask[:, None]
+
+
+def _bias(mask: torch.Tensor) -> torch.Tensor:
+    """Bool mask [batch, 1, max_q, kv_len] -> additive float32 bias [batch, 1, 1, max_q, kv_len]."""
+    bias = torch.zeros(mask.shape, dtype=torch.float32)
+    return bias.masked_fill_(~mask, float("-inf"))[:, :, None]
 
 
 def _query_index(run: list[RequestSpan], max_q: int, device: torch.device) -> torch.Tensor | None:
@@ -169,20 +182,55 @@ def _group_attention(
     group: AttentionGroup,
     scale: float,
 ) -> torch.Tensor:  # [group_tokens, num_heads * head_dim]
-    num_heads, head_dim = q.shape[1], q.shape[2]
     qg = _pad_queries(q[group.token_start : group.token_end], group)  # [B, Q, heads, dim]
     keys = _gather(k_cache, group.block_tables)  # [B, kv_heads, L, dim]
     values = _gather(v_cache, group.block_tables)
+    if group.max_query_len <= SHORT_QUERY_MAX:
+        out = _short_attention(qg, keys, values, group.mask, scale)
+    else:
+        out = _sdpa(qg, keys, values, group.mask, scale)
+    out = out.reshape(-1, q.shape[1] * q.shape[2])
+    return out if group.query_index is None else out[group.query_index]
+
+
+def _sdpa(
+    q: torch.Tensor,  # [B, Q, heads, dim]
+    keys: torch.Tensor,  # [B, kv_heads, L, dim]
+    values: torch.Tensor,
+    mask: torch.Tensor | None,  # [B, 1, Q, L] bool
+    scale: float,
+) -> torch.Tensor:  # [B, Q, heads, dim]
     out = F.scaled_dot_product_attention(
-        qg.transpose(1, 2),
+        q.transpose(1, 2),
         keys,
         values,
-        attn_mask=group.mask,
+        attn_mask=mask,
         scale=scale,
-        enable_gqa=keys.shape[1] != num_heads,
+        enable_gqa=keys.shape[1] != q.shape[2],
     )  # [B, heads, Q, dim]
-    out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)
-    return out if group.query_index is None else out[group.query_index]
+    return out.transpose(1, 2)
+
+
+def _short_attention(
+    q: torch.Tensor,  # [B, Q, heads, dim]
+    keys: torch.Tensor,  # [B, kv_heads, L, dim]
+    values: torch.Tensor,
+    bias: torch.Tensor | None,  # [B, 1, 1, Q, L] float32
+    scale: float,
+) -> torch.Tensor:  # [B, Q, heads, dim]
+    batch, num_q, num_heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = num_heads // kv_heads  # query heads per KV head: head h reads KV head h // group
+    rows = q.float().view(batch, num_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    rows = rows.reshape(batch, kv_heads, group * num_q, dim)
+    scores = torch.matmul(rows * scale, keys.float().transpose(-1, -2))  # [B, kvh, G*Q, L]
+    scores = scores.view(batch, kv_heads, group, num_q, -1)
+    if bias is not None:
+        scores = scores + bias
+    probs = scores.softmax(-1).view(batch, kv_heads, group * num_q, -1)
+    out = torch.matmul(probs, values.float())  # [B, kvh, G*Q, dim]
+    out = out.view(batch, kv_heads, group, num_q, dim).permute(0, 3, 1, 2, 4)
+    return out.to(q.dtype)
 
 
 def _pad_queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

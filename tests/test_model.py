@@ -164,19 +164,36 @@ def test_overwritten_slots_roll_back(pair: Pair) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_matches_transformers(tiny_model_dir: Path, dtype: str) -> None:
-    """Same rounding points as transformers: in half precision the logits agree closely too."""
+def test_half_precision_as_accurate_as_transformers(tiny_model_dir: Path, dtype: str) -> None:
+    """In half precision our error against float32 is no worse than transformers' own.
+
+    Prefill (SDPA, same rounding points) matches transformers closely; decodes and verify
+    queries use the float32 short-query attention, so they round differently but not worse.
+    """
     loaded = load_model(str(tiny_model_dir))
     ids = list(loaded.tokenizer(PROMPTS[0] + PROMPTS[3])["input_ids"])
     runner = ModelRunner(loaded, "cpu", dtype, BLOCK_SIZE)
     runner.allocate_kv_cache(64)
-    ours = runner.forward([ForwardInput(ids, 0, list(range(64))[::-1], len(ids))])
-    ref = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=getattr(torch, dtype))
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0].float()
+    table = list(range(64))[::-1]
+    split = len(ids) - 6
+    prefill = runner.forward([ForwardInput(ids[:split], 0, table, split)])
+    verify = runner.forward([ForwardInput(ids[split : split + 4], split, table, 4)])
+    last_two = (len(ids) - 2, len(ids) - 1)
+    decodes = [runner.forward([ForwardInput([ids[p]], p, table, 1)]) for p in last_two]
+    ours = torch.cat([prefill, verify, *decodes])
     assert ours.dtype == torch.float32
-    # bfloat16 vs float32 differs by ~0.5 here; a wrong rounding point shows up well above 0.05.
-    assert (ours - want).abs().max().item() < 0.05
+    half = _reference_logits(tiny_model_dir, ids, getattr(torch, dtype))
+    gold = _reference_logits(tiny_model_dir, ids, torch.float32)
+    assert (prefill - half[:split]).abs().max().item() < 0.05
+    ours_err = (ours - gold).abs().max().item()
+    theirs_err = (half - gold).abs().max().item()
+    assert ours_err <= 1.5 * theirs_err + 1e-3, (ours_err, theirs_err)
+
+
+def _reference_logits(path: Path, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
 
 
 def test_runner_properties(tiny_model_dir: Path) -> None:

@@ -33,9 +33,10 @@ def loaded() -> LoadedModel:
 @pytest.fixture(scope="module")
 def prompt_ids(loaded: LoadedModel) -> list[int]:
     messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
-    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    return [int(t) for t in ids]
+    text = loaded.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    return [int(t) for t in loaded.tokenizer(str(text))["input_ids"]]
 
 
 def _ours(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:  # [len(prompt), vocab]

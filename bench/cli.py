@@ -71,6 +71,11 @@ def add_parser(sub: Any) -> None:
         type=int,
         help="assistant / prompt-lookup tokens per step (default: the config's k)",
     )
+    p.add_argument(
+        "--peer-num-prompts",
+        type=int,
+        help="peers run only the first N prompts of each category (default: all)",
+    )
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--launch-timeout", type=float, default=1800.0)

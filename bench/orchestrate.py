@@ -58,9 +58,10 @@ def main(args: argparse.Namespace) -> int:
     server_rows = stats.median_rows(rows)
     for row in server_rows:
         row["ratio_vs_server_plain"] = row["speedup_vs_plain"]
+    requests = request_records(measurements)
     peer_rows = run_peers(args, peers, prompts) if peers else []
-    stats.add_server_ratios(peer_rows, server_rows)
-    write_outputs(args, model, server_rows, peer_rows, request_records(measurements))
+    stats.add_server_ratios(peer_rows, requests)
+    write_outputs(args, model, server_rows, peer_rows, requests)
     return 0
 
 
@@ -158,6 +159,8 @@ def run_peers(
 ) -> list[Row]:
     if "hf" not in modes:
         modes = ["hf", *modes]  # the peers' own baseline for their speedup
+    if args.peer_num_prompts is not None:
+        prompts = {c: ps[: args.peer_num_prompts] for c, ps in prompts.items()}
     job = peer_job(args, modes, prompts)
     log(f"peers {', '.join(modes)} on {job.model} ({job.dtype}, {job.device}), concurrency 1")
     records = run_peers_subprocess(job, args.out / "peers")

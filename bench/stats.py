@@ -173,10 +173,18 @@ def peer_rows(records: list[Row]) -> list[Row]:
     return median_rows(per_repeat)
 
 
-def add_server_ratios(peer: list[Row], server: list[Row]) -> None:
-    """Each peer's tokens/s over specserve's plain tokens/s at concurrency 1, same category."""
-    plain = {r["category"]: r for r in server if r["mode"] == "plain" and r["concurrency"] == 1}
+def add_server_ratios(peer: list[Row], requests: list[Row]) -> None:
+    """Each peer's tokens/s over specserve's plain tokens/s at concurrency 1 on the same prompts
+    (at c=1 a round is one request, so its wall time is the request's E2E)."""
     for row in peer:
-        base = plain.get(row["category"], {}).get("output_tokens_per_s")
+        ids = set(row["prompt_ids"])
+        plain = [
+            r
+            for r in requests
+            if r["category"] == row["category"] and r["load"] == "c=1" and r["mode"] == "plain"
+            and r["ok"] and r["prompt_id"] in ids
+        ]  # fmt: skip
+        seconds = sum(r["e2e_s"] for r in plain)
+        base = sum(r["output_tokens"] for r in plain) / seconds if seconds else None
         tps = row["output_tokens_per_s"]
         row["ratio_vs_server_plain"] = tps / base if tps is not None and base else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import socket
 import threading
 import time
@@ -195,12 +196,16 @@ def real_server(model_dir: Path, **settings_kwargs: Any) -> Iterator[RealServer]
         dtype="float32",
         speculative_method="ngram",
         num_speculative_tokens=3,
-        speculative_adaptive=False,  # adaptive k follows timing: not reproducible
         kv_cache_gib=0.02,
         max_num_seqs=4,
     )
     settings = Settings(**(kwargs | settings_kwargs))
-    engine = AsyncLLM.from_config(settings.engine_config(), settings.model_name)
+    config = settings.engine_config()
+    # Adaptive k follows measured timings, so drafts (and seeded sampling) would not repeat.
+    fixed_k = dataclasses.replace(config.speculative, adaptive=False)
+    engine = AsyncLLM.from_config(
+        dataclasses.replace(config, speculative=fixed_k), settings.model_name
+    )
     throttle = Throttle()
     engine.add_step_listener(throttle)
     with LiveServer(create_app(engine, settings)) as live:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import subprocess
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,14 @@ def main(args: argparse.Namespace) -> int:
     for row in server_rows:
         row["ratio_vs_server_plain"] = row["speedup_vs_plain"]
     requests = request_records(measurements)
-    peer_rows = run_peers(args, peers, prompts) if peers else []
+    write_outputs(args, model, server_rows, [], requests)
+    if not peers:
+        return 0
+    try:
+        peer_rows = run_peers(args, peers, prompts)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        log(f"peers failed ({exc}); the server's results above stand")
+        return 1
     stats.add_server_ratios(peer_rows, requests)
     write_outputs(args, model, server_rows, peer_rows, requests)
     return 0
@@ -75,7 +83,7 @@ async def sweep(
             model, args.max_tokens, args.temperature, args.ignore_eos, args.request_timeout
         )
         total = args.repeats * sum(
-            requests_per_measurement(len(ps), load) for ps in prompts.values() for load in loads
+            requests_per_measurement(ps, load) for ps in prompts.values() for load in loads
         )
         with tqdm(total=total, desc="requests", unit="req") as bar:
             runner = Runner(client, settings, args.max_concurrency, bar)

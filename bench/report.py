@@ -166,9 +166,8 @@ def plot_acceptance(path: Path, rows: list[Row]) -> None:
     plt.close(fig)
 
 
-def plot_latency(path: Path, requests: list[Row]) -> None:
-    import matplotlib.pyplot as plt
-
+def latency_groups(requests: list[Row]) -> dict[tuple[str, str, str], dict[str, list[float]]]:
+    """Samples of TTFT, ITL and E2E per (category, load, mode), from the request records."""
     groups: dict[tuple[str, str, str], dict[str, list[float]]] = defaultdict(
         lambda: {"ttft_s": [], "itl_s": [], "e2e_s": []}
     )
@@ -176,10 +175,17 @@ def plot_latency(path: Path, requests: list[Row]) -> None:
         if not req.get("ok"):
             continue
         g = groups[(req["category"], req["load"], req["mode"])]
-        for key in ("ttft_s", "e2e_s"):
-            if req.get(key) is not None:
-                g[key].append(req[key])
+        for metric in ("ttft_s", "e2e_s"):
+            if req.get(metric) is not None:
+                g[metric].append(req[metric])
         g["itl_s"].extend(req.get("itl_s") or [])
+    return groups
+
+
+def plot_latency(path: Path, requests: list[Row]) -> None:
+    import matplotlib.pyplot as plt
+
+    groups = latency_groups(requests)
     keys = list(groups)
     fig, axes = plt.subplots(3, 1, figsize=(max(6, 0.6 * len(keys) + 2), 9))
     for ax, metric, title in zip(

@@ -147,8 +147,5 @@ class Runner:
                 raise RuntimeError(f"warm-up request failed: {result.error}")
 
 
-def requests_per_measurement(num_prompts: int, load: Load) -> int:
-    if load.concurrency:
-        c = load.concurrency
-        return len(MODES) * -(-max(num_prompts, c) // c) * c
-    return len(MODES) * num_prompts
+def requests_per_measurement(prompts: list[Prompt], load: Load) -> int:
+    return len(MODES) * sum(len(r.prompts) for r in rounds_for(prompts, load, seed=0))

@@ -456,3 +456,19 @@ def test_bench_against_tiny_model_server(
         plain_tps = sum(r["output_tokens"] for r in plain) / sum(r["e2e_s"] for r in plain)
         assert row["ratio_vs_server_plain"] == pytest.approx(row["output_tokens_per_s"] / plain_tps)
     assert "## Peers" in (out / "report.md").read_text()
+
+
+def test_gpu_script_is_valid_bash_with_known_flags() -> None:
+    import re
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    bench_cli.add_parser(sub)
+    known = set(sub.choices["bench"]._option_string_actions)
+    call = script.read_text().split('specserve" bench', 1)[1].split("\n\n", 1)[0]
+    used = set(re.findall(r"(--[a-z-]+)", call))
+    assert used and used <= known, used - known
+    assert {"--launch", "--device", "--out", "--peers"} <= used

@@ -74,7 +74,7 @@ def position_table(rows: list[Row]) -> list[str]:
         + [""] * (width - len(r["acceptance_per_pos"]))
         for r in spec
     ]
-    return _table(["category", "load", *[f"pos {i}" for i in range(width)]], body)
+    return _table(["category", "load", *[f"pos {i + 1}" for i in range(width)]], body)
 
 
 def peer_table(peers: list[Row]) -> list[str]:
@@ -155,6 +155,8 @@ def plot_acceptance(path: Path, rows: list[Row]) -> None:
         ax.plot(range(1, len(values) + 1), values, marker="o", label=f"{r['category']} {r['load']}")
     if not spec:
         ax.text(0.5, 0.5, "no per-position counts in /metrics", ha="center", transform=ax.transAxes)
+    width = max((len(r["acceptance_per_pos"]) for r in spec), default=1)
+    ax.set_xticks(range(1, width + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("fraction of drafts accepted at this position")
     ax.set_ylim(0, 1.05)

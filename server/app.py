@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("specserve.server")
 OPEN_PATHS = ("/health", "/metrics")
+M = TypeVar("M", bound=BaseModel)
 _UNION_TAG = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]")
 
 
@@ -137,11 +140,33 @@ def ready_serving(request: Request) -> OpenAIServing:
 Serving = Annotated[OpenAIServing, Depends(ready_serving)]
 
 
+def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
+    """Parse the body as JSON whatever the Content-Type says (`curl -d` sends a form type)."""
+
+    async def parse(request: Request) -> M:
+        try:
+            data = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad_request(f"malformed JSON body: {exc}") from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+
+    return parse
+
+
+CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
+ChatBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
+TokenizeBody = Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))]
+DetokenizeBody = Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))]
+
+
 def _api_routes(state: ServerState) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request, s: Serving) -> Response:
+    async def completions(req: CompletionBody, raw: Request, s: Serving) -> Response:
         s.check_model(req.model)
         s.check_capacity()
         if req.stream:
@@ -149,7 +174,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         return JSONResponse((await s.completion(req, raw)).model_dump())
 
     @router.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, raw: Request, s: Serving) -> Response:
+    async def chat(req: ChatBody, raw: Request, s: Serving) -> Response:
         s.check_model(req.model)
         s.check_capacity()
         if req.stream:
@@ -162,7 +187,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         return ModelList(data=[card])
 
     @router.post("/tokenize")
-    async def tokenize(req: TokenizeRequest, s: Serving) -> dict[str, Any]:
+    async def tokenize(req: TokenizeBody, s: Serving) -> dict[str, Any]:
         s.check_model(req.model)
         if req.messages is not None:
             ids = s.tokenizer.encode(s.chat_prompt(req), add_special_tokens=False)
@@ -171,7 +196,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         return {"tokens": ids, "count": len(ids), "max_model_len": s.max_model_len}
 
     @router.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest, s: Serving) -> dict[str, Any]:
+    async def detokenize(req: DetokenizeBody, s: Serving) -> dict[str, Any]:
         s.check_model(req.model)
         try:
             return {"prompt": s.tokenizer.decode(req.tokens)}
@@ -275,7 +300,7 @@ def validation_error(errors: Any) -> APIError:
     if err.get("type") == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
         return bad_request(f"malformed JSON body: {detail}".strip())
-    if err.get("type") == "missing" and param is None:
+    if param is None and err.get("type") in ("missing", "model_type", "model_attributes_type"):
         return bad_request("the request body must be a JSON object")
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return bad_request(f"{param}: {msg}" if param else msg, param, "invalid_value")

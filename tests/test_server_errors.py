@@ -131,6 +131,20 @@ def test_malformed_bodies_are_400(http: httpx.Client, path: str, raw: bytes) -> 
     error_of(post_raw(http, path, raw), 400)
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty"])
+def test_nan_and_infinity_are_400(http: httpx.Client, field: str) -> None:
+    for value in ("NaN", "Infinity", "-Infinity"):
+        body = f'{{"prompt": "x", "{field}": {value}}}'
+        assert error_of(post_raw(http, "/v1/completions", body), 400)["param"] == field
+
+
+def test_json_is_read_whatever_the_content_type(http: httpx.Client) -> None:
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d, ...
+        r = http.post("/v1/completions", content=body, headers={"Content-Type": content_type})
+        assert r.status_code == 200, r.text
+
+
 def test_context_window_message_names_the_numbers(http: httpx.Client) -> None:
     error = error_of(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 300}), 400)
     assert str(MAX_MODEL_LEN) in error["message"] and error["code"] == "context_length_exceeded"

@@ -146,7 +146,7 @@ def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
     async def parse(request: Request) -> M:
         try:
             data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError too
             raise bad_request(f"malformed JSON body: {exc}") from None
         try:
             return model.model_validate(data)

@@ -123,9 +123,12 @@ def test_invalid_chat_fields_are_400(http: httpx.Client, body: Any, param: str |
         assert error["param"] == param, error
 
 
-@pytest.mark.parametrize(
-    "raw", [b"{bad json", b"", b"[]", b"null", b"42", b'"text"', b"\xff\xfe", b'{"prompt": "x",}']
-)
+DEEP = b"[" * 100_000 + b"]" * 100_000
+HUGE_INT = b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
+MALFORMED = [b"{bad json", b"", b"[]", b"null", b"42", b'"text"', b"\xff\xfe", b'{"prompt": "x",}']
+
+
+@pytest.mark.parametrize("raw", [*MALFORMED, DEEP, HUGE_INT], ids=lambda raw: repr(raw[:16]))
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
 def test_malformed_bodies_are_400(http: httpx.Client, path: str, raw: bytes) -> None:
     error_of(post_raw(http, path, raw), 400)

@@ -7,9 +7,10 @@ causal + padding mask. Requests are grouped so that one long prefill chunk does 
 single-token decode in the batch up to its length: short queries (decodes, k+1 verify queries)
 share one group, each long query gets its own.
 
-Long queries go through SDPA. Short ones use plain float32 matmul + softmax with the query
-heads of a KV head stacked as rows: CPU SDPA kernels are 10-40x slower for a batch of
-one-token queries, and float32 keeps the small batched case at least as exact as SDPA.
+Long queries go through SDPA. Short ones use eager attention (two batched matmuls, the query
+heads of a KV head stacked as rows): CPU SDPA kernels are 10-40x slower for a batch of
+one-token queries. The pool is head-major, `[kv_heads, num_blocks, block_size, head_dim]` per
+layer for K and for V, so one gather gives contiguous `[kv_heads, batch, len, head_dim]` keys.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class AttentionGroup:
     max_query_len: int
     block_tables: torch.Tensor  # [batch, max_blocks] int64, padded with block 0
     # Long groups: a bool SDPA mask [batch, 1, max_query_len, kv_len] (None: attend to all).
-    # Short groups: an additive float32 bias [batch, 1, 1, max_query_len, kv_len].
+    # Short groups: an additive float32 bias [batch, 1, max_query_len, kv_len].
     mask: torch.Tensor | None
     query_index: torch.Tensor | None  # [group_tokens] int64 rows of the padded query; None = dense
 
@@ -138,9 +139,8 @@ def _mask(run: list[RequestSpan], max_q: int, kv_len: int) -> torch.Tensor | Non
 
 
 def _bias(mask: torch.Tensor) -> torch.Tensor:
-    """Bool mask [batch, 1, max_q, kv_len] -> additive float32 bias [batch, 1, 1, max_q, kv_len]."""
-    bias = torch.zeros(mask.shape, dtype=torch.float32)
-    return bias.masked_fill_(~mask, float("-inf"))[:, :, None]
+    """Bool mask [batch, 1, max_q, kv_len] -> additive float32 bias, 0 or -inf."""
+    return torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
 
 
 def _query_index(run: list[RequestSpan], max_q: int, device: torch.device) -> torch.Tensor | None:
@@ -151,22 +151,23 @@ def _query_index(run: list[RequestSpan], max_q: int, device: torch.device) -> to
 
 
 def write_kv(
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
+    v_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens]
 ) -> None:
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    heads, dim = k.shape[1], k.shape[2]
+    k_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
+    v_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
@@ -183,7 +184,7 @@ def _group_attention(
     scale: float,
 ) -> torch.Tensor:  # [group_tokens, num_heads * head_dim]
     qg = _pad_queries(q[group.token_start : group.token_end], group)  # [B, Q, heads, dim]
-    keys = _gather(k_cache, group.block_tables)  # [B, kv_heads, L, dim]
+    keys = _gather(k_cache, group.block_tables)  # [kv_heads, B, L, dim]
     values = _gather(v_cache, group.block_tables)
     if group.max_query_len <= SHORT_QUERY_MAX:
         out = _short_attention(qg, keys, values, group.mask, scale)
@@ -195,42 +196,47 @@ def _group_attention(
 
 def _sdpa(
     q: torch.Tensor,  # [B, Q, heads, dim]
-    keys: torch.Tensor,  # [B, kv_heads, L, dim]
+    keys: torch.Tensor,  # [kv_heads, B, L, dim]
     values: torch.Tensor,
     mask: torch.Tensor | None,  # [B, 1, Q, L] bool
     scale: float,
 ) -> torch.Tensor:  # [B, Q, heads, dim]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
-        keys,
-        values,
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
         attn_mask=mask,
         scale=scale,
-        enable_gqa=keys.shape[1] != q.shape[2],
+        enable_gqa=keys.shape[0] != q.shape[2],
     )  # [B, heads, Q, dim]
     return out.transpose(1, 2)
 
 
 def _short_attention(
     q: torch.Tensor,  # [B, Q, heads, dim]
-    keys: torch.Tensor,  # [B, kv_heads, L, dim]
+    keys: torch.Tensor,  # [kv_heads, B, L, dim]
     values: torch.Tensor,
-    bias: torch.Tensor | None,  # [B, 1, 1, Q, L] float32
+    bias: torch.Tensor | None,  # [B, 1, Q, L] float32
     scale: float,
 ) -> torch.Tensor:  # [B, Q, heads, dim]
+    """Eager attention, the query heads of each KV head stacked as rows: two batched matmuls.
+
+    Scores and probabilities round to the model dtype as in transformers' eager attention;
+    the softmax runs in float32.
+    """
     batch, num_q, num_heads, dim = q.shape
-    kv_heads = keys.shape[1]
-    group = num_heads // kv_heads  # query heads per KV head: head h reads KV head h // group
-    rows = q.float().view(batch, num_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-    rows = rows.reshape(batch, kv_heads, group * num_q, dim)
-    scores = torch.matmul(rows * scale, keys.float().transpose(-1, -2))  # [B, kvh, G*Q, L]
-    scores = scores.view(batch, kv_heads, group, num_q, -1)
+    kv_heads = keys.shape[0]
+    group = num_heads // kv_heads  # query head h reads KV head h // group
+    rows = q.view(batch, num_q, kv_heads, group, dim).permute(2, 0, 3, 1, 4)
+    rows = rows.reshape(kv_heads, batch, group * num_q, dim)
+    scores = torch.matmul(rows, keys.transpose(-1, -2)).float() * scale  # [kvh, B, G*Q, L]
+    scores = scores.view(kv_heads, batch, group, num_q, -1)
     if bias is not None:
-        scores = scores + bias
-    probs = scores.softmax(-1).view(batch, kv_heads, group * num_q, -1)
-    out = torch.matmul(probs, values.float())  # [B, kvh, G*Q, dim]
-    out = out.view(batch, kv_heads, group, num_q, dim).permute(0, 3, 1, 2, 4)
-    return out.to(q.dtype)
+        scores = scores + bias[None]
+    probs = scores.softmax(-1).to(q.dtype).view(kv_heads, batch, group * num_q, -1)
+    out = torch.matmul(probs, values)  # [kvh, B, G*Q, dim]
+    out = out.view(kv_heads, batch, group, num_q, dim).permute(1, 3, 0, 2, 4)
+    return out.reshape(batch, num_q, num_heads, dim)
 
 
 def _pad_queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -243,9 +249,8 @@ def _pad_queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
 
 
 def _gather(
-    cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, dim]
+    cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, dim]
     block_tables: torch.Tensor,  # [batch, max_blocks]
-) -> torch.Tensor:  # [batch, kv_heads, max_blocks * block_size, dim]
-    batch = block_tables.shape[0]
-    blocks = cache[block_tables]  # [batch, max_blocks, block_size, kv_heads, dim]
-    return blocks.view(batch, -1, *cache.shape[2:]).transpose(1, 2)
+) -> torch.Tensor:  # [kv_heads, batch, max_blocks * block_size, dim], contiguous
+    blocks = cache[:, block_tables]  # [kv_heads, batch, max_blocks, block_size, dim]
+    return blocks.view(cache.shape[0], block_tables.shape[0], -1, cache.shape[-1])

@@ -73,7 +73,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s = self.model.shape
-        shape = (2, num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        shape = (2, s.num_kv_heads, num_blocks, self.block_size, s.head_dim)
         self.kv_caches = []
         for _ in range(s.num_layers):
             kv = torch.zeros(shape, dtype=self.dtype, device=self.device)

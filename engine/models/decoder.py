@@ -19,7 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [num_blocks, block_size, kv_heads, dim]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [kv_heads, num_blocks, block_size, dim]
 
 
 @dataclass(frozen=True)

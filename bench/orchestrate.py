@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import platform
 import shlex
 import subprocess
 from dataclasses import asdict
@@ -191,6 +193,17 @@ def command_line(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
+def server_meta(args: argparse.Namespace) -> dict[str, Any]:
+    """The launched server's settings that shape the result (nothing for --base-url)."""
+    cfg = config_settings(args.launch)
+    keys = ("model", "draft_model", "speculative_method", "num_speculative_tokens", "dtype")
+    found = {key: cfg.get(key) for key in (*keys, "device", "num_threads") if key in cfg}
+    found["target_model"] = found.pop("model", None)
+    for flag in ("device", "dtype"):
+        found[flag] = getattr(args, flag) or serve_flag(args, f"--{flag}") or found.get(flag)
+    return found if args.launch else {}
+
+
 def write_outputs(
     args: argparse.Namespace, model: str, rows: list[Row], peers: list[Row], requests: list[Row]
 ) -> None:
@@ -207,7 +220,10 @@ def write_outputs(
         "ignore_eos": args.ignore_eos,
         "repeats": args.repeats,
         "num_prompts": args.num_prompts,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+        **server_meta(args),
     }
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
     write_report(out / "report.md", rows, peers, meta)
     plots = write_plots(out, rows, peers, requests)
     log(f"wrote {out / 'results.json'}, {out / 'report.md'}, {', '.join(p.name for p in plots)}")

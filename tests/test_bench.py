@@ -283,6 +283,8 @@ def _check_outputs(out: Path, categories: set[str], loads: set[int]) -> list[dic
     for name in ("speedup.png", "acceptance_per_position.png", "latency.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 2000
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["command"].startswith("specserve bench ") and meta["model"]
     lines = (out / "requests.jsonl").read_text().splitlines()
     assert sum(r["num_requests"] for r in rows) == len(lines)
     return rows

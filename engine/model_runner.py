@@ -16,6 +16,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 # Chat-turn terminators that end generation when the chat template uses them.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# End-of-document tokens that end generation whenever the tokenizer has them as special tokens
+# (Qwen's own generation config lists <|endoftext|> next to <|im_end|>).
+_DOCUMENT_END_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
 
 
 @dataclass(frozen=True)
@@ -132,5 +135,8 @@ def _build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) 
 
 def _turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     template = getattr(tokenizer, "chat_template", None) or ""
+    special = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
     vocab = tokenizer.get_vocab()
-    return [vocab[t] for t in _TURN_END_TOKENS if t in vocab and t in template]
+    turn_ends = [t for t in _TURN_END_TOKENS if t in vocab and t in template]
+    doc_ends = [t for t in _DOCUMENT_END_TOKENS if t in vocab and t in special]
+    return [vocab[t] for t in turn_ends + doc_ends]

@@ -196,6 +196,23 @@ def _reference_logits(path: Path, ids: list[int], dtype: torch.dtype) -> torch.T
         return model(torch.tensor([ids])).logits[0].float()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_matches_cpu(tiny_model_dir: Path, dtype: str) -> None:
+    loaded = load_model(str(tiny_model_dir))
+    ids = list(loaded.tokenizer(PROMPTS[0])["input_ids"])
+    table = list(range(32))[::-1]
+    outs = []
+    for device in ("cpu", "cuda"):
+        runner = ModelRunner(loaded, device, dtype, BLOCK_SIZE)
+        runner.allocate_kv_cache(32)
+        prefill = runner.forward([ForwardInput(ids[:-3], 0, table, 2)])
+        verify = runner.forward([ForwardInput(ids[-3:], len(ids) - 3, table, 3)])
+        outs.append(torch.cat([prefill, verify]).cpu())
+    tol = 1e-3 if dtype == "float32" else 0.25
+    assert (outs[0] - outs[1]).abs().max().item() < tol
+
+
 def test_runner_properties(tiny_model_dir: Path) -> None:
     loaded = load_model(str(tiny_model_dir))
     runner = ModelRunner(loaded, "cpu", "bfloat16", 16)

@@ -1,8 +1,8 @@
-"""Paged attention over a block-addressed KV pool: one SDPA call per layer per request group.
+"""Paged attention over a block-addressed KV pool: one attention call per layer per group.
 
 K/V for position p of a request lives at slot `block_table[p // block_size] * block_size +
 p % block_size`. A forward writes its new tokens' K/V at their slots, then gathers each
-request's whole context through its block table into a padded batch and runs SDPA with a
+request's whole context through its block table into a padded batch and attends with a
 causal + padding mask. Requests are grouped so that one long prefill chunk does not pad every
 single-token decode in the batch up to its length: short queries (decodes, k+1 verify queries)
 share one group, each long query gets its own.

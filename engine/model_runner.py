@@ -90,7 +90,7 @@ class ModelRunner:
         inputs = [i for i in inputs if i.token_ids]
         if not inputs:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        input_ids, positions, logit_rows = _flatten(inputs)
+        input_ids, positions, logit_rows = _flatten(inputs, self.block_size)
         spans = [RequestSpan(i.start_pos, len(i.token_ids), i.block_table) for i in inputs]
         meta = AttentionMetadata.build(spans, self.block_size, self.device)
         hidden = self.model(
@@ -104,7 +104,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
 
-def _flatten(inputs: list[ForwardInput]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flatten(
+    inputs: list[ForwardInput], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat token ids [T], positions [T] and the rows whose logits are wanted [N]."""
     ids: list[int] = []
     positions: list[int] = []
@@ -113,6 +115,8 @@ def _flatten(inputs: list[ForwardInput]) -> tuple[torch.Tensor, torch.Tensor, to
         n = len(inp.token_ids)
         if not 0 <= inp.num_logits <= n:
             raise ValueError(f"num_logits {inp.num_logits} not in [0, {n}]")
+        if len(inp.block_table) * block_size < inp.start_pos + n:
+            raise ValueError(f"block table of {len(inp.block_table)} blocks too short")
         rows.extend(range(len(ids) + n - inp.num_logits, len(ids) + n))
         ids.extend(inp.token_ids)
         positions.extend(range(inp.start_pos, inp.start_pos + n))

@@ -226,6 +226,11 @@ def test_runner_properties(tiny_model_dir: Path) -> None:
     assert {vocab["<|endoftext|>"], vocab["<|im_end|>"]} <= set(runner.eos_token_ids)
     with pytest.raises(RuntimeError):
         runner.forward([ForwardInput([1], 0, [0], 1)])
+    runner.allocate_kv_cache(4)
+    with pytest.raises(ValueError, match="block table"):
+        runner.forward([ForwardInput([1] * 17, 0, [0], 1)])
+    with pytest.raises(ValueError, match="num_logits"):
+        runner.forward([ForwardInput([1], 0, [0], 2)])
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:

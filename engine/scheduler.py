@@ -119,7 +119,7 @@ class Scheduler:
     def _plan(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq:
         n = min(seq.num_uncomputed_tokens, budget)
         k = 0
-        if step_k and seq.num_computed_tokens + n == seq.num_tokens:
+        if seq.num_computed_tokens + n == seq.num_tokens:
             # Room left: the final emitted token is always the target's own, so at most
             # max_tokens - outputs - 1 drafts, and never past the context window.
             room = min(
@@ -127,8 +127,16 @@ class Scheduler:
                 self.max_model_len - seq.num_tokens - 1,
                 budget - n,
             )
-            k = max(0, min(seq.num_speculative_tokens, step_k, room))
+            k = max(0, min(self._k_cap(seq, step_k), room))
         return ScheduledSeq(seq, n, k)
+
+    @staticmethod
+    def _k_cap(seq: Sequence, step_k: int) -> int:
+        """A seeded sampled request keeps its own k: its random draws depend on k, and its seed must
+        reproduce whatever else is in the batch. Greedy output does not depend on k at all."""
+        if seq.params.seed is not None and not seq.params.greedy:
+            return seq.num_speculative_tokens
+        return min(seq.num_speculative_tokens, step_k)
 
     def _positions(self, item: ScheduledSeq) -> int:
         return item.seq.num_computed_tokens + item.num_new_tokens + item.num_spec_tokens

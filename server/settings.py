@@ -53,6 +53,12 @@ class Settings(BaseSettings):
     speculative_disable_batch_size: int = Field(
         default=0, ge=0, description="decode plainly above this many running requests (0: never)"
     )
+    speculative_adaptive: bool = Field(
+        default=True, description="choose each step's k from measured costs and acceptance"
+    )
+    draft_p_min: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="stop drafting below this draft probability"
+    )
     device: str = Field(default="cpu", description="cpu, cuda, cuda:N")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="bfloat16", description="weights"
@@ -124,6 +130,8 @@ class Settings(BaseSettings):
             ngram_min=self.ngram_min,
             ngram_max=self.ngram_max,
             disable_by_batch_size=self.speculative_disable_batch_size,
+            adaptive=self.speculative_adaptive,
+            draft_p_min=self.draft_p_min,
         )
         return EngineConfig(
             model=self.model,

@@ -158,3 +158,16 @@ def test_adaptive_k_and_confidence_cutoff_stay_lossless(p_min: float, plain: LLM
     prompts = random_prompts(6, (3, 30), vocab, seed=53)
     assert outputs(engine, prompts, greedy(20)) == outputs(plain, prompts, greedy(20))
     assert engine.policy is not None and engine.policy.target_cost.known
+
+
+def test_seeded_sampling_reproduces_under_adaptive_speculation(tiny_model_dir: Path, tiny_draft_dir: Path,
+                                                               vocab: int) -> None:
+    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model=str(tiny_draft_dir),
+                             adaptive=True)
+    engine = make_engine(tiny_model_dir, speculative=spec)
+    prompts = random_prompts(5, (4, 20), vocab, seed=59)
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=77, ignore_eos=True)
+    others = [SamplingParams(max_tokens=16, temperature=0.7, ignore_eos=True)] * 4
+    alone = outputs(engine, prompts[:1], seeded)[0]
+    mixed = outputs(engine, prompts, [seeded, *others])[0]
+    assert alone == mixed == outputs(engine, prompts[:1], seeded)[0]

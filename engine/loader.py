@@ -136,7 +136,20 @@ def converted_gguf(path: Path) -> Path:
     with _locked(out):
         if not (out / _CONVERTED_DONE).exists():
             _convert_into(path, out)
+    _prune_stale(path, out)
     return out
+
+
+def _prune_stale(path: Path, keep: Path) -> None:
+    """Delete earlier conversions of the same file (it was replaced: new size or mtime)."""
+    source = str(path.resolve())
+    for old in keep.parent.glob(f"{path.stem}-*"):
+        marker = old / _CONVERTED_DONE
+        if old == keep or not marker.exists():
+            continue
+        if json.loads(marker.read_text()).get("source") == source:
+            _log(f"removing stale conversion {old}")
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _convert_into(path: Path, out: Path) -> None:

@@ -165,3 +165,64 @@ def _spread_norm_weights(model: torch.nn.Module, seed: int) -> None:
                 param.add_(0.2 * torch.randn(param.shape, generator=gen))
             if name == "model.norm.weight":
                 param.mul_(2.0)
+
+
+def make_tiny_gguf(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny qwen2-family model written as an F32 GGUF file (llama.cpp's names and metadata).
+
+    Qwen2 needs no q/k permutation, so tensors are written as transformers holds them. The
+    source folder (config, tokenizer, safetensors) is kept next to it as `<path>.src`.
+    """
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    src = make_tiny_model(path.with_suffix(".src"), family="qwen2", seed=seed, **overrides)
+    config = json.loads((src / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    _gguf_hparams(writer, config)
+    _gguf_tokenizer(writer, src)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, config["num_hidden_layers"])
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        base, suffix = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_hparams(writer: Any, config: dict[str, Any]) -> None:
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
+def _gguf_tokenizer(writer: Any, src: Path) -> None:
+    import json
+
+    import gguf
+
+    spec = json.loads((src / "tokenizer.json").read_text())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    special = {t["content"] for t in spec["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    )
+    merges = spec["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    for add in (writer.add_eos_token_id, writer.add_bos_token_id, writer.add_pad_token_id):
+        add(vocab[EOS])
+    writer.add_chat_template(CHAT_TEMPLATE)

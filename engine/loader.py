@@ -87,8 +87,14 @@ def _from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     _log(f"fetching {repo_id} from the Hugging Face hub")
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
-    return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as err:  # offline, unknown repo, gated: all mean "cannot load this"
+        raise FileNotFoundError(
+            f"model {repo_id!r}: no such local folder or .gguf file, and the Hugging Face hub "
+            f"could not provide it ({type(err).__name__}: {err})"
+        ) from err
 
 
 def architecture_of(config: PretrainedConfig) -> str:

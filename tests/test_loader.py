@@ -101,3 +101,14 @@ def test_folder_without_weights_fails_clearly(tmp_path: Path, gguf_file: Path) -
     loaded = load_model(str(folder))
     with pytest.raises(FileNotFoundError, match="safetensors"):
         ModelRunner(loaded, "cpu", "float32", 4)
+
+
+def test_unreachable_hub_id_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    def offline(repo_id: str, **kwargs: object) -> str:
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(FileNotFoundError, match="some-org/some-model.*ConnectionError"):
+        load_model("some-org/some-model")

@@ -19,8 +19,8 @@ class SpeculativeConfig:
     # Speculation stops paying once the batch is large enough that a verify pass is compute-bound:
     # above this many running requests every request decodes plainly (0 = never disable).
     disable_by_batch_size: int = 0
-    # Choose each step's k (0..num_speculative_tokens) from measured draft/verify costs and each
-    # request's measured acceptance, so speculation switches itself off where it would not pay.
+    # Speculate only while it measurably pays: each step compares the batch's measured speculative
+    # goodput (tokens per verify, draft and verify costs fitted online) with plain decoding's.
     adaptive: bool = True
     # Draft model: stop drafting a request once the draft's probability for its pick falls below this.
     draft_p_min: float = 0.0

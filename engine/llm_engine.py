@@ -112,8 +112,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         proposals = self.proposer.propose(batch.scheduled)
-        logits = self._verify(self._verify_inputs(batch.scheduled, proposals))
-        stats = self._accept(batch.scheduled, proposals, logits)
+        started = time.perf_counter()
+        inputs = self._verify_inputs(batch.scheduled, proposals)
+        stats = self._accept(batch.scheduled, proposals, self.target.forward(inputs))
+        if self.policy is not None:  # the verify pass's cost, acceptance included
+            self.policy.observe_target(sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
         stats.num_preemptions = batch.num_preempted
         self.last_stats = stats
         return [self._output(item.seq) for item in batch.scheduled if self._has_news(item.seq)]
@@ -133,13 +136,6 @@ class LLMEngine:
         return seqs
 
     # ---- the speculative step --------------------------------------------------------------
-
-    def _verify(self, inputs: list[ForwardInput]) -> torch.Tensor:
-        started = time.perf_counter()
-        logits = self.target.forward(inputs)
-        if self.policy is not None:
-            self.policy.observe_target(sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
-        return logits
 
     def _verify_inputs(self, batch: list[ScheduledSeq], proposals: list[Proposal]) -> list[ForwardInput]:
         """The target sees each request's new tokens plus its drafts, all in one ragged forward."""
@@ -182,7 +178,7 @@ class LLMEngine:
             tokens = verify(target_probs, proposal.token_ids, draft_probs, seq.params.greedy, seq.generator)
             num_accepted = len(tokens) - 1
             seq.spec.add(k, num_accepted)
-            seq.acceptance.observe(k, num_accepted)
+            seq.history.observe(k, num_accepted)
             spec.add(k, num_accepted)
             seq.num_computed_tokens += item.num_new_tokens + num_accepted
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
@@ -304,8 +300,11 @@ class LLMEngine:
             loaded = load_model(spec.draft_model)
             check_same_vocab(self.tokenizer, loaded.tokenizer)
             self.draft = ModelRunner(loaded, self.config.device, self.config.dtype, self.config.block_size)
-            on_forward = self.policy.observe_draft if self.policy is not None else None
-            return DraftModelProposer(self.draft, spec.draft_p_min, on_forward)
+            if self.policy is None:
+                return DraftModelProposer(self.draft, spec.draft_p_min)
+            return DraftModelProposer(
+                self.draft, spec.draft_p_min, self.policy.observe_draft, self.policy.observe_draft_step
+            )
         return NoProposer()
 
     def _runners(self) -> list[ModelRunner]:

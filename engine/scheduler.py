@@ -113,8 +113,7 @@ class Scheduler:
             return 0
         if self.policy is None:
             return spec.num_speculative_tokens
-        rates = [s.acceptance.rate for s in self.running if s.num_speculative_tokens > 0]
-        return self.policy.choose_k(rates or [0.5], other_tokens=0)
+        return self.policy.choose_k([s.history for s in self.running if s.num_speculative_tokens > 0])
 
     def _plan(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq:
         n = min(seq.num_uncomputed_tokens, budget)

@@ -1,14 +1,18 @@
-"""Adaptive speculation: choose each step's k from measured costs and measured acceptance.
+"""Adaptive speculation: speculate only where it measurably pays.
 
-Speculation pays only while the target passes it saves outweigh what drafting and the longer verify
-cost. With per-token acceptance rate a, k drafts yield E(k) = (1 - a^(k+1)) / (1 - a) tokens per
-verify pass. A step over a batch of B requests costs about
+Speculation pays while the target passes it saves outweigh what drafting and the longer verify pass
+cost. Nothing here is assumed: the policy fits the target's and the draft's forward cost online
+(seconds, affine in tokens, from the steps the engine runs) and keeps, per request, running means of
+what a speculative step yields (tokens emitted per verify pass) and drafts. Each step it compares,
+for the running batch,
 
-    k * draft(B) + target(B * (k + 1))        (both affine in tokens, fitted online)
+    speculative: sum(tokens per step) / (draft forwards * draft(B) + target(B + drafted tokens))
+    plain:       B / target(B)
 
-so the policy picks the k in [0, k_max] with the most expected tokens per second for the batch. As the
-batch grows the verify pass stops being memory-bound, target() grows with tokens, and k falls to 0:
-no over-speculation under load. k = 0 steps still probe with k = 1 now and then, so a request whose
+and lets requests draft up to k only if the first is larger. Within a step the draft's own
+confidence cutoff (draft_p_min) decides how many of the k it really proposes. As the batch grows the
+verify pass stops being memory-bound, target() grows with tokens, and speculation switches off: no
+over-speculation under load. While off, every PROBE_EVERY-th step drafts anyway, so a request whose
 text turns predictable gets speculation back.
 """
 
@@ -17,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-PROBE_EVERY = 8  # steps between k = 1 probes while speculation is judged unprofitable
-DECAY = 0.9  # weight of the past in the running estimates
+PROBE_EVERY = 16  # steps between probes while speculation is judged unprofitable (a probe costs a draft catch-up)
+DECAY = 0.95  # weight of the past in the running means: long enough to ride out a hard stretch
 
 
 @dataclass
@@ -32,7 +36,7 @@ class AffineCost:
     sxy: float = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
-        d = DECAY
+        d = 0.95  # costs drift slowly; keep a long memory so several batch shapes inform the slope
         self.s1 = d * self.s1 + 1
         self.sx = d * self.sx + tokens
         self.sy = d * self.sy + seconds
@@ -46,35 +50,42 @@ class AffineCost:
     def __call__(self, tokens: float) -> float:
         mean_x, mean_y = self.sx / self.s1, self.sy / self.s1
         var = self.sxx / self.s1 - mean_x * mean_x
-        slope = max(0.0, (self.sxy / self.s1 - mean_x * mean_y) / var) if var > 1e-9 else 0.0
         if var <= 1e-9:  # one batch shape seen so far: assume the cost does not grow with tokens
             return mean_y
+        slope = max(0.0, (self.sxy / self.s1 - mean_x * mean_y) / var)
         return max(0.0, mean_y - slope * mean_x) + slope * tokens
 
 
 @dataclass
-class AcceptanceEstimate:
-    """Per-request acceptance rate from (accepted run, rejected?) observations, recent ones weighted."""
+class SpecHistory:
+    """One request's recent speculative steps: tokens each yielded, drafts each verified."""
 
-    accepted: float = 0.0
-    rejected: float = 0.0
+    tokens: float = 0.0
+    drafted: float = 0.0
+    weight: float = 0.0
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
             return
-        self.accepted = DECAY * self.accepted + num_accepted
-        self.rejected = DECAY * self.rejected + (1 if num_accepted < num_draft else 0)
+        self.tokens = DECAY * self.tokens + num_accepted + 1
+        self.drafted = DECAY * self.drafted + num_draft
+        self.weight = DECAY * self.weight + 1
 
     @property
-    def rate(self) -> float:
-        return (self.accepted + 1) / (self.accepted + self.rejected + 2)  # Laplace: 0.5 when unknown
+    def known(self) -> bool:
+        return self.weight > 0
 
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.weight
 
-def expected_tokens(rate: float, k: int) -> float:
-    """Tokens per verify pass with k drafts (accepted prefix plus the target's own token)."""
-    if rate >= 1.0:
-        return k + 1.0
-    return (1 - rate ** (k + 1)) / (1 - rate)
+    @property
+    def drafts_per_step(self) -> float:
+        return self.drafted / self.weight
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return (self.tokens - self.weight) / self.drafted if self.drafted else None
 
 
 class SpeculationPolicy:
@@ -82,8 +93,9 @@ class SpeculationPolicy:
         self.k_max = k_max
         self.target_cost = AffineCost()
         self.draft_cost = AffineCost() if uses_draft_model else None
-        self.steps_without = 0
-        self.last_k = k_max
+        self.draft_forwards = float(k_max)  # running mean of draft forwards per drafting step
+        self.steps_off = 0
+        self.speculating = True
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         self.target_cost.observe(tokens, seconds)
@@ -92,26 +104,29 @@ class SpeculationPolicy:
         if self.draft_cost is not None:
             self.draft_cost.observe(tokens, seconds)
 
-    def choose_k(self, rates: Seq[float], other_tokens: int) -> int:
-        """k for this step: rates of the decoding requests; other_tokens = prefill tokens riding along."""
-        if not rates or not self._calibrated():
+    def observe_draft_step(self, num_forwards: int) -> None:
+        self.draft_forwards = DECAY * self.draft_forwards + (1 - DECAY) * num_forwards
+
+    def choose_k(self, histories: Seq[SpecHistory]) -> int:
+        """Drafts allowed per request this step: k_max where speculation pays, else 0 (or a probe)."""
+        if not histories or not self._calibrated() or not all(h.known for h in histories):
+            return self.k_max  # measure first
+        self.speculating = self._speculative_goodput(histories) > self._plain_goodput(len(histories))
+        self.steps_off = 0 if self.speculating else self.steps_off + 1
+        if self.speculating or self.steps_off % PROBE_EVERY == 0:
             return self.k_max
-        best = max(range(self.k_max + 1), key=lambda k: self._goodput(k, rates, other_tokens))
-        if best == 0:
-            self.steps_without += 1
-            best = 1 if self.steps_without % PROBE_EVERY == 0 else 0
-        else:
-            self.steps_without = 0
-        self.last_k = best
-        return best
+        return 0
 
     def _calibrated(self) -> bool:
         return self.target_cost.known and (self.draft_cost is None or self.draft_cost.known)
 
-    def _goodput(self, k: int, rates: Seq[float], other_tokens: int) -> float:
-        batch = len(rates)
-        seconds = self.target_cost(other_tokens + batch * (k + 1))
-        if self.draft_cost is not None and k > 0:
-            # The first draft forward also catches up (about 2 tokens a request); the rest feed one.
-            seconds += self.draft_cost(2 * batch) + (k - 1) * self.draft_cost(batch)
-        return sum(expected_tokens(rate, k) for rate in rates) / seconds
+    def _plain_goodput(self, batch: int) -> float:
+        return batch / self.target_cost(batch)
+
+    def _speculative_goodput(self, histories: Seq[SpecHistory]) -> float:
+        batch = len(histories)
+        drafted = sum(h.drafts_per_step for h in histories)
+        seconds = self.target_cost(batch + drafted)
+        if self.draft_cost is not None:
+            seconds += self.draft_forwards * self.draft_cost(batch)
+        return sum(h.tokens_per_step for h in histories) / seconds

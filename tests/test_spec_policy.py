@@ -1,19 +1,30 @@
-"""The adaptive speculation policy: k follows measured costs and acceptance, never stuck at zero."""
+"""The adaptive speculation policy: on where measured goodput beats plain decoding, off (with probes) where not."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.spec_policy import PROBE_EVERY, AcceptanceEstimate, AffineCost, SpeculationPolicy, expected_tokens
+from engine.spec_policy import PROBE_EVERY, AffineCost, SpecHistory, SpeculationPolicy
+
+K = 6
 
 
-def _policy(target_fixed: float, target_per_token: float, draft: float | None, k_max: int = 6) -> SpeculationPolicy:
-    policy = SpeculationPolicy(k_max, uses_draft_model=draft is not None)
+def _policy(target_fixed: float, target_per_token: float, draft: float | None, forwards: int = K) -> SpeculationPolicy:
+    policy = SpeculationPolicy(K, uses_draft_model=draft is not None)
     for tokens in (1, 4, 8, 16, 32):
         policy.observe_target(tokens, target_fixed + target_per_token * tokens)
         if draft is not None:
             policy.observe_draft(tokens, draft)
+    for _ in range(200):
+        policy.observe_draft_step(forwards)
     return policy
+
+
+def _history(tokens_per_step: float, drafts_per_step: int = K) -> SpecHistory:
+    history = SpecHistory()
+    for _ in range(20):
+        history.observe(drafts_per_step, round(tokens_per_step) - 1)
+    return history
 
 
 def test_affine_cost_recovers_line() -> None:
@@ -24,40 +35,37 @@ def test_affine_cost_recovers_line() -> None:
     assert cost(0) == pytest.approx(0.2, rel=1e-6)
 
 
-def test_expected_tokens() -> None:
-    assert expected_tokens(0.0, 4) == 1.0
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+def test_history_means() -> None:
+    history = _history(5, drafts_per_step=6)
+    assert history.tokens_per_step == pytest.approx(5.0)
+    assert history.drafts_per_step == pytest.approx(6.0)
+    assert history.acceptance_rate == pytest.approx(4 / 6)
 
 
-def test_high_acceptance_cheap_draft_speculates_fully() -> None:
-    policy = _policy(0.2, 0.002, draft=0.02)
-    assert policy.choose_k([0.95], other_tokens=0) == 6
+def test_measure_first_then_decide() -> None:
+    policy = SpeculationPolicy(K, uses_draft_model=True)
+    assert policy.choose_k([SpecHistory()]) == K  # nothing measured yet: speculate and measure
 
 
-def test_low_acceptance_expensive_draft_turns_speculation_off_but_probes() -> None:
-    policy = _policy(0.2, 0.002, draft=0.15)
-    ks = [policy.choose_k([0.1], other_tokens=0) for _ in range(2 * PROBE_EVERY)]
-    assert ks.count(0) == 2 * PROBE_EVERY - 2 and ks.count(1) == 2  # off, with a k = 1 probe now and then
+def test_high_yield_cheap_draft_speculates() -> None:
+    # 6 draft forwards at 20 ms + a 0.21 s verify for 5 tokens beats 0.2 s per token.
+    assert _policy(0.2, 0.002, draft=0.02).choose_k([_history(5)]) == K
+
+
+def test_low_yield_expensive_draft_turns_off_but_probes() -> None:
+    policy = _policy(0.2, 0.002, draft=0.08)
+    ks = [policy.choose_k([_history(1.5)]) for _ in range(2 * PROBE_EVERY)]
+    assert ks.count(0) == 2 * PROBE_EVERY - 2 and ks.count(K) == 2  # off, probing now and then
+
+
+def test_confident_drafting_changes_the_verdict() -> None:
+    # Same yield, but the draft's confidence cutoff stops after 2 forwards on average: now it pays.
+    assert _policy(0.2, 0.002, draft=0.08, forwards=6).choose_k([_history(2.5, 2)]) == 0
+    assert _policy(0.2, 0.002, draft=0.08, forwards=2).choose_k([_history(2.5, 2)]) == K
 
 
 def test_large_batch_on_compute_bound_target_stops_speculating() -> None:
-    # Verify cost grows with every token: at 32 requests, extra draft tokens cost more than they yield.
+    # n-gram drafts cost nothing to make, but every verified token costs 20 ms once compute-bound.
     policy = _policy(0.2, 0.02, draft=None)
-    assert policy.choose_k([0.6], other_tokens=0) > 0
-    assert policy.choose_k([0.6] * 32, other_tokens=0) == 0
-
-
-def test_uncalibrated_policy_uses_k_max() -> None:
-    assert SpeculationPolicy(4, uses_draft_model=True).choose_k([0.5], 0) == 4
-
-
-def test_acceptance_estimate_tracks_recent_runs() -> None:
-    est = AcceptanceEstimate()
-    assert est.rate == 0.5
-    for _ in range(30):
-        est.observe(4, 4)
-    assert est.rate > 0.95
-    for _ in range(30):
-        est.observe(4, 0)
-    assert est.rate < 0.25
+    assert policy.choose_k([_history(2.5, 3)]) == K
+    assert policy.choose_k([_history(2.5, 3)] * 32) == 0

@@ -26,40 +26,44 @@ class DraftModelProposer:
         runner: ModelRunner,
         p_min: float = 0.0,
         on_forward: Callable[[int, float], None] | None = None,  # (tokens, seconds) per forward
+        on_step: Callable[[int], None] | None = None,  # forwards per drafting step
     ) -> None:
         self.runner = runner
         self.p_min = p_min
         self.on_forward = on_forward
+        self.on_step = on_step
 
     def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
-        synced = [item for item in batch if item.seq.num_speculative_tokens > 0]
-        drafting = [item for item in synced if item.num_spec_tokens > 0]
-        drafts: dict[int, list[int]] = {id(item): [] for item in drafting}
-        probs: dict[int, list[torch.Tensor]] = {id(item): [] for item in drafting}
-        logits = self._forward([self._catch_up(item) for item in synced])
-        active = drafting
-        for step in range(max((item.num_spec_tokens for item in drafting), default=0)):
-            if step > 0:
-                logits = self._forward([self._feed_last(item, drafts[id(item)]) for item in active])
-            confident = self._draft_one(active, logits, drafts, probs)
-            active = [item for item, ok in zip(active, confident) if ok and item.num_spec_tokens > step + 1]
-            if not active:
-                break
+        # Only requests drafting this step touch the draft: one that skips steps (k = 0) catches
+        # up on everything it missed in its next first forward, so k = 0 costs no draft time.
+        active = [item for item in batch if item.num_spec_tokens > 0]
+        drafts: dict[int, list[int]] = {id(item): [] for item in active}
+        probs: dict[int, list[torch.Tensor]] = {id(item): [] for item in active}
+        step = 0
+        while active:
+            started = time.perf_counter()
+            if step == 0:
+                inputs = [self._catch_up(item) for item in active]
+            else:
+                inputs = [self._feed_last(item, drafts[id(item)]) for item in active]
+            confident = self._draft_one(active, self.runner.forward(inputs), drafts, probs)
+            self._observe(inputs, started)
+            step += 1
+            active = [item for item, ok in zip(active, confident) if ok and item.num_spec_tokens > step]
+        if step and self.on_step is not None:
+            self.on_step(step)
         return [self._proposal(item, drafts, probs) for item in batch]
 
-    def _forward(self, inputs: list[ForwardInput]) -> torch.Tensor:
-        started = time.perf_counter()
-        logits = self.runner.forward(inputs)
-        if self.on_forward is not None and inputs:
+    def _observe(self, inputs: list[ForwardInput], started: float) -> None:
+        """Report one draft forward's cost, sampling included, to the speculation policy."""
+        if self.on_forward is not None:
             self.on_forward(sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
-        return logits
 
     def _catch_up(self, item: ScheduledSeq) -> ForwardInput:
         seq = item.seq
         start, end = seq.num_draft_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
         seq.num_draft_computed_tokens = end
-        num_logits = 1 if item.num_spec_tokens > 0 else 0
-        return ForwardInput(seq.token_ids[start:end], start, seq.block_table, num_logits)
+        return ForwardInput(seq.token_ids[start:end], start, seq.block_table, 1)
 
     def _feed_last(self, item: ScheduledSeq, drafted: list[int]) -> ForwardInput:
         seq = item.seq

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from filelock import FileLock
+
 _CHUNK = 8 << 20  # bytes per read when copying and hashing
 
 
@@ -260,26 +262,12 @@ def _verify_existing(model: BundledModel, path: Path) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One process at a time assembles a given model (tests and servers may race)."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.with_name(path.name + ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def ensure(model: BundledModel, root: Path) -> Path:
     """Return the verified GGUF file of `model` under `root`, fetching what is missing."""
     path = root / "models" / model.filename
     if is_verified(model, path):
         return path
-    with _locked(path):
+    with FileLock(f"{path}.lock"):  # one process at a time (tests and servers may race)
         if is_verified(model, path) or _verify_existing(model, path):
             return path
         try:

@@ -8,8 +8,6 @@ on later loads.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -22,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -139,7 +138,7 @@ def converted_gguf(path: Path) -> Path:
         return out
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     check_supported(architecture_of(config))
-    with _locked(out):
+    with FileLock(f"{out}.lock"):  # one process at a time (tests and servers may race)
         if not (out / _CONVERTED_DONE).exists():
             _convert_into(path, out)
     _prune_stale(path, out)
@@ -170,18 +169,6 @@ def _convert_into(path: Path, out: Path) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _log(f"converted in {time.monotonic() - started:.0f}s -> {out}")
-
-
-@contextlib.contextmanager
-def _locked(out: Path) -> Iterator[None]:
-    """One process at a time converts a given file (tests and servers may race)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.with_name(out.name + ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _convert_gguf(path: Path, out: Path) -> None:

@@ -208,10 +208,10 @@ class CompletionLogprobs(BaseModel):
         return self.text_offset[-1] + len(self.tokens[-1]) if self.tokens else 0
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice carries besides its content (text, message or delta) and logprobs."""
+
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
@@ -219,15 +219,25 @@ class CompletionChoice(BaseModel):
     spec_decode: SpecDecodeSummary | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """What every response and chunk carries besides its object name and choices."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now)
     model: str
     system_fingerprint: str | None = None
-    choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     spec_decode: SpecDecodeSummary | None = None
+
+
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -252,27 +262,15 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[Any] = Field(default_factory=list)
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-    spec_decode: SpecDecodeSummary | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChoice]
-    usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
-    spec_decode: SpecDecodeSummary | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -280,27 +278,15 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(_Choice):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-    spec_decode: SpecDecodeSummary | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
-    spec_decode: SpecDecodeSummary | None = None
 
 
 class ModelCard(BaseModel):

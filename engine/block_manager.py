@@ -22,8 +22,9 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._key_of: dict[int, BlockKey] = {}  # block id -> its key, for cached full blocks
         self._block_of: dict[BlockKey, int] = {}  # key -> block id
-        self.num_hit_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_hit_queries = 0  # prompt tokens looked up in the prefix cache, ever
         self.num_hit_tokens = 0  # of those, found
+        self._reported = (0, 0)  # totals at the last take_lookup_stats()
 
     @property
     def num_free_blocks(self) -> int:
@@ -108,6 +109,12 @@ class BlockManager:
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
         self.num_hit_queries += num_queried
         self.num_hit_tokens += num_hit
+
+    def take_lookup_stats(self) -> tuple[int, int]:
+        """(queried, hit) prompt tokens since the last call: per-step deltas for the metrics."""
+        queried, hit = self._reported
+        self._reported = (self.num_hit_queries, self.num_hit_tokens)
+        return self.num_hit_queries - queried, self.num_hit_tokens - hit
 
     def _forget(self, block: int) -> None:
         key = self._key_of.pop(block, None)

@@ -19,8 +19,8 @@ class SpeculativeConfig:
     # Speculation stops paying once the batch is large enough that a verify pass is compute-bound:
     # above this many running requests every request decodes plainly (0 = never disable).
     disable_by_batch_size: int = 0
-    # Speculate only while it measurably pays: each step compares the batch's measured speculative
-    # goodput (tokens per verify, draft and verify costs fitted online) with plain decoding's.
+    # Speculate only where it measurably pays: per batch-size bucket, steps with drafts and steps
+    # without are timed, and the faster mode runs (the other is retried now and then).
     adaptive: bool = True
     # Draft model: stop drafting a request once the draft's probability for its pick falls below this.
     draft_p_min: float = 0.0

@@ -43,7 +43,7 @@ class LLMEngine:
         self.draft: ModelRunner | None = None
         spec = config.speculative
         self.policy = (
-            SpeculationPolicy(spec.num_speculative_tokens, spec.method == "draft")
+            SpeculationPolicy(spec.num_speculative_tokens)
             if spec.enabled and spec.adaptive
             else None
         )
@@ -110,16 +110,22 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         proposals = self.proposer.propose(batch.scheduled)
-        started = time.perf_counter()
-        inputs = self._verify_inputs(batch.scheduled, proposals)
-        stats = self._accept(batch.scheduled, proposals, self.target.forward(inputs))
-        if self.policy is not None:  # the verify pass's cost, acceptance included
-            self.policy.observe_target(sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
+        logits = self.target.forward(self._verify_inputs(batch.scheduled, proposals))
+        stats = self._accept(batch.scheduled, proposals, logits)
         stats.num_preemptions = batch.num_preempted
+        self._observe(batch.scheduled, stats, time.perf_counter() - started)
         self.last_stats = stats
         return [self._output(item.seq) for item in batch.scheduled if self._has_news(item.seq)]
+
+    def _observe(self, batch: list[ScheduledSeq], stats: StepStats, seconds: float) -> None:
+        """Feed decode-only steps to the speculation policy (prompt chunks would swamp it)."""
+        if self.policy is None or not batch or any(item.num_new_tokens > 1 for item in batch):
+            return
+        speculated = any(item.num_spec_tokens > 0 for item in batch)
+        self.policy.observe(len(batch), speculated, stats.num_generation_tokens, seconds)
 
     def generate(
         self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
@@ -143,8 +149,7 @@ class LLMEngine:
         for item, proposal in zip(batch, proposals):
             seq, start = item.seq, item.seq.num_computed_tokens
             known = seq.token_ids[start : start + item.num_new_tokens]
-            base = item.num_new_tokens if seq.wants_prompt_logprobs else int(item.reaches_end)
-            num_logits = base + len(proposal.token_ids)
+            num_logits = _num_logits(item, proposal)
             inputs.append(ForwardInput(known + proposal.token_ids, start, seq.block_table, num_logits))
         return inputs
 
@@ -156,37 +161,12 @@ class LLMEngine:
     ) -> StepStats:
         spec, num_prompt, num_emitted, offset = SpecStats(), 0, 0, 0
         for item, proposal in zip(batch, proposals):
-            seq, k = item.seq, len(proposal.token_ids)
-            num_prompt += max(0, min(seq.num_prompt_tokens - seq.num_computed_tokens, item.num_new_tokens))
-            base = item.num_new_tokens if seq.wants_prompt_logprobs else int(item.reaches_end)
-            rows = logits[offset : offset + base + k]  # [base + k, vocab_size]
-            offset += base + k
-            if seq.wants_prompt_logprobs:
-                self._record_prompt_logprobs(seq, rows[: item.num_new_tokens])
-            if not item.reaches_end:
-                seq.num_computed_tokens += item.num_new_tokens
-                self.scheduler.cache_blocks(seq, self.draft is not None)
-                continue
-            # Verify: p = target probs at each draft position (+1 bonus), q = draft probs.
-            # x_i is accepted with prob min(1, p(x_i)/q(x_i)); at the first rejection the recovered token
-            # is drawn from norm(max(0, p - q)); if all k pass, the bonus token is drawn from p.
-            # Greedy: accept while x_i == argmax p. The emitted tokens then follow p exactly.
-            target_logits = rows[-(k + 1) :]  # [k + 1, vocab_size]
-            history = verification_histories(seq.output_token_ids, proposal.token_ids)
-            target_probs = processed_probs(target_logits, [seq.params] * (k + 1), history)
-            draft_probs = self._match_vocab(proposal.probs, target_probs.shape[-1])
-            tokens = verify(target_probs, proposal.token_ids, draft_probs, seq.params.greedy, seq.generator)
-            num_accepted = len(tokens) - 1
-            seq.spec.add(k, num_accepted)
-            seq.history.observe(k, num_accepted)
-            spec.add(k, num_accepted)
-            seq.num_computed_tokens += item.num_new_tokens + num_accepted
-            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
-            logprobs = self._sample_logprobs(seq, target_logits[: len(tokens)], tokens)
-            num_emitted += self._append(seq, tokens, logprobs)
-            if not seq.is_finished:
-                self.scheduler.cache_blocks(seq, self.draft is not None)
+            rows = logits[offset : offset + _num_logits(item, proposal)]  # [num_logits, vocab_size]
+            offset += rows.shape[0]
+            num_prompt += item.num_prompt_tokens
+            num_emitted += self._accept_one(item, proposal, rows, spec)
         spec.num_emitted_tokens = num_emitted
+        queried, hit = self.block_manager.take_lookup_stats()
         return StepStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -194,10 +174,46 @@ class LLMEngine:
             num_prompt_tokens=num_prompt,
             num_generation_tokens=num_emitted,
             spec=spec,
-            prefix_cache_queries=self.block_manager.num_hit_queries,
-            prefix_cache_hits=self.block_manager.num_hit_tokens,
+            prefix_cache_queries=queried,
+            prefix_cache_hits=hit,
             num_preemptions=0,
         )
+
+    def _accept_one(
+        self,
+        item: ScheduledSeq,
+        proposal: Proposal,
+        rows: torch.Tensor,  # [num_logits, vocab_size]: prompt positions (echo), then k + 1 verify rows
+        step_spec: SpecStats,
+    ) -> int:
+        """Verify one request's drafts and append what survives; returns the tokens emitted."""
+        seq, k = item.seq, len(proposal.token_ids)
+        if seq.wants_prompt_logprobs:
+            self._record_prompt_logprobs(seq, rows[: item.num_new_tokens])
+        if not item.reaches_end:  # a prompt chunk: nothing to sample yet
+            seq.num_computed_tokens += item.num_new_tokens
+            self.scheduler.cache_blocks(seq, self.draft is not None)
+            return 0
+        # p = the target's processed probs at each draft position plus the bonus one; q = the draft's.
+        # Accept x_i with prob min(1, p(x_i) / q(x_i)); at the first rejection the recovered token is
+        # drawn from norm(max(0, p - q)); if all k pass, the bonus token is drawn from p. Greedy:
+        # accept while x_i == argmax p. Either way the emitted tokens follow p exactly.
+        target_logits = rows[-(k + 1) :]  # [k + 1, vocab_size]
+        history = verification_histories(seq.output_token_ids, proposal.token_ids)
+        target_probs = processed_probs(target_logits, [seq.params] * (k + 1), history)
+        draft_probs = self._match_vocab(proposal.probs, target_probs.shape[-1])
+        tokens = verify(target_probs, proposal.token_ids, draft_probs, seq.params.greedy, seq.generator)
+        num_accepted = len(tokens) - 1
+        seq.spec.add(k, num_accepted)
+        step_spec.add(k, num_accepted)
+        # Roll back by not advancing: only the accepted drafts' K/V count as computed.
+        seq.num_computed_tokens += item.num_new_tokens + num_accepted
+        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+        logprobs = self._sample_logprobs(seq, target_logits[: len(tokens)], tokens)
+        num_emitted = self._append(seq, tokens, logprobs)
+        if not seq.is_finished:
+            self.scheduler.cache_blocks(seq, self.draft is not None)
+        return num_emitted
 
     # ---- accepting tokens and stops --------------------------------------------------------
 
@@ -300,11 +316,7 @@ class LLMEngine:
             loaded = load_model(spec.draft_model)
             check_same_vocab(self.tokenizer, loaded.tokenizer)
             self.draft = ModelRunner(loaded, self.config.device, self.config.dtype, self.config.block_size)
-            if self.policy is None:
-                return DraftModelProposer(self.draft, spec.draft_p_min)
-            return DraftModelProposer(
-                self.draft, spec.draft_p_min, self.policy.observe_draft, self.policy.observe_draft_step
-            )
+            return DraftModelProposer(self.draft, spec.draft_p_min)
         return NoProposer()
 
     def _runners(self) -> list[ModelRunner]:
@@ -320,6 +332,13 @@ class LLMEngine:
             free, _ = torch.cuda.mem_get_info()
             budget = free * self.config.gpu_memory_utilization
         return max(1, int(budget // per_block))
+
+
+def _num_logits(item: ScheduledSeq, proposal: Proposal) -> int:
+    """Rows of target logits a request needs: every prompt position when it wants prompt logprobs,
+    else the last one where its chunk reaches the end; plus one per draft."""
+    base = item.num_new_tokens if item.seq.wants_prompt_logprobs else int(item.reaches_end)
+    return base + len(proposal.token_ids)
 
 
 def check_same_vocab(target_tokenizer: object, draft_tokenizer: object) -> None:

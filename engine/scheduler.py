@@ -28,6 +28,12 @@ class ScheduledSeq:
     def reaches_end(self) -> bool:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """How many of this step's known tokens are prompt tokens (the rest recompute outputs)."""
+        remaining = self.seq.num_prompt_tokens - self.seq.num_computed_tokens
+        return max(0, min(remaining, self.num_new_tokens))
+
 
 @dataclass
 class SchedulerOutput:
@@ -113,7 +119,7 @@ class Scheduler:
             return 0
         if self.policy is None:
             return spec.num_speculative_tokens
-        return self.policy.choose_k([s.history for s in self.running if s.num_speculative_tokens > 0])
+        return self.policy.choose_k(len(self.running))
 
     def _plan(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq:
         n = min(seq.num_uncomputed_tokens, budget)

@@ -10,7 +10,6 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestTimes, SpecStats, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.spec_policy import SpecHistory
 
 
 class SequenceStatus(enum.Enum):
@@ -39,7 +38,6 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
-    history: SpecHistory = field(default_factory=SpecHistory)
     # Not yet handed to the caller:
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -1,132 +1,86 @@
 """Adaptive speculation: speculate only where it measurably pays.
 
-Speculation pays while the target passes it saves outweigh what drafting and the longer verify pass
-cost. Nothing here is assumed: the policy fits the target's and the draft's forward cost online
-(seconds, affine in tokens, from the steps the engine runs) and keeps, per request, running means of
-what a speculative step yields (tokens emitted per verify pass) and drafts. Each step it compares,
-for the running batch,
+Whether drafting pays depends on the draft's cost, on how much of what it drafts the target keeps
+(the text), and on load (a verify pass stops being nearly free once the batch makes it
+compute-bound). None of that is assumed here. The policy measures the goodput of whole decode steps,
+tokens emitted per second of step time (drafting, verification and acceptance included), separately
+for steps with drafts and steps without, per batch-size bucket, and lets the better one run. Every
+EXPLORE_EVERY-th step of a bucket runs the other one, so the verdict follows the text and the load
+as they change. Steps that carry prompt chunks are not measured: prefill would swamp the comparison.
 
-    speculative: sum(tokens per step) / (draft forwards * draft(B) + target(B + drafted tokens))
-    plain:       B / target(B)
-
-and lets requests draft up to k only if the first is larger. Within a step the draft's own
-confidence cutoff (draft_p_min) decides how many of the k it really proposes. As the batch grows the
-verify pass stops being memory-bound, target() grows with tokens, and speculation switches off: no
-over-speculation under load. While off, every PROBE_EVERY-th step drafts anyway, so a request whose
-text turns predictable gets speculation back.
+Within a speculative step the draft's own confidence cutoff (draft_p_min) decides how many of the k
+drafts it really proposes, so k is a ceiling, not a quota.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-PROBE_EVERY = 16  # steps between probes while speculation is judged unprofitable (a probe costs a draft catch-up)
-DECAY = 0.95  # weight of the past in the running means: long enough to ride out a hard stretch
-
-
-@dataclass
-class AffineCost:
-    """seconds ~ fixed + per_token * tokens, by exponentially weighted least squares."""
-
-    s1: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = 0.95  # costs drift slowly; keep a long memory so several batch shapes inform the slope
-        self.s1 = d * self.s1 + 1
-        self.sx = d * self.sx + tokens
-        self.sy = d * self.sy + seconds
-        self.sxx = d * self.sxx + tokens * tokens
-        self.sxy = d * self.sxy + tokens * seconds
-
-    @property
-    def known(self) -> bool:
-        return self.s1 >= 3
-
-    def __call__(self, tokens: float) -> float:
-        mean_x, mean_y = self.sx / self.s1, self.sy / self.s1
-        var = self.sxx / self.s1 - mean_x * mean_x
-        if var <= 1e-9:  # one batch shape seen so far: assume the cost does not grow with tokens
-            return mean_y
-        slope = max(0.0, (self.sxy / self.s1 - mean_x * mean_y) / var)
-        return max(0.0, mean_y - slope * mean_x) + slope * tokens
+EXPLORE_EVERY = 16  # steps between tries of the losing mode, per bucket
+DECAY = 0.9  # weight of the past in the running means
 
 
 @dataclass
-class SpecHistory:
-    """One request's recent speculative steps: tokens each yielded, drafts each verified."""
+class RunningMean:
+    """Exponentially weighted mean of tokens per second over steps (weighted by step time)."""
 
     tokens: float = 0.0
-    drafted: float = 0.0
-    weight: float = 0.0
+    seconds: float = 0.0
 
-    def observe(self, num_draft: int, num_accepted: int) -> None:
-        if num_draft == 0:
-            return
-        self.tokens = DECAY * self.tokens + num_accepted + 1
-        self.drafted = DECAY * self.drafted + num_draft
-        self.weight = DECAY * self.weight + 1
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = DECAY * self.tokens + tokens
+        self.seconds = DECAY * self.seconds + seconds
 
     @property
     def known(self) -> bool:
-        return self.weight > 0
+        return self.seconds > 0
 
     @property
-    def tokens_per_step(self) -> float:
-        return self.tokens / self.weight
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass
+class Bucket:
+    """Goodput with and without drafts for one range of batch sizes."""
+
+    speculative: RunningMean = field(default_factory=RunningMean)
+    plain: RunningMean = field(default_factory=RunningMean)
+    steps: int = 0
 
     @property
-    def drafts_per_step(self) -> float:
-        return self.drafted / self.weight
+    def speculation_wins(self) -> bool:
+        return self.speculative.rate >= self.plain.rate
 
-    @property
-    def acceptance_rate(self) -> float | None:
-        return (self.tokens - self.weight) / self.drafted if self.drafted else None
+
+def bucket_of(batch_size: int) -> int:
+    """1, 2, 3-4, 5-8, 9-16, ...: batch sizes whose steps cost alike share a verdict."""
+    return max(0, batch_size - 1).bit_length()
 
 
 class SpeculationPolicy:
-    def __init__(self, k_max: int, uses_draft_model: bool) -> None:
+    def __init__(self, k_max: int) -> None:
         self.k_max = k_max
-        self.target_cost = AffineCost()
-        self.draft_cost = AffineCost() if uses_draft_model else None
-        self.draft_forwards = float(k_max)  # running mean of draft forwards per drafting step
-        self.steps_off = 0
-        self.speculating = True
+        self.buckets: dict[int, Bucket] = {}
 
-    def observe_target(self, tokens: int, seconds: float) -> None:
-        self.target_cost.observe(tokens, seconds)
+    def choose_k(self, batch_size: int) -> int:
+        """The drafts each request may get this step: k_max, or 0 where plain decoding wins."""
+        bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
+        bucket.steps += 1
+        if not bucket.speculative.known:
+            return self.k_max  # measure both first
+        if not bucket.plain.known:
+            return 0
+        speculate = bucket.speculation_wins
+        if bucket.steps % EXPLORE_EVERY == 0:
+            speculate = not speculate
+        return self.k_max if speculate else 0
 
-    def observe_draft(self, tokens: int, seconds: float) -> None:
-        if self.draft_cost is not None:
-            self.draft_cost.observe(tokens, seconds)
+    def observe(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """One decode-only step: its batch size, whether it drafted, tokens it emitted, its time."""
+        bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
+        (bucket.speculative if speculated else bucket.plain).add(tokens, seconds)
 
-    def observe_draft_step(self, num_forwards: int) -> None:
-        self.draft_forwards = DECAY * self.draft_forwards + (1 - DECAY) * num_forwards
-
-    def choose_k(self, histories: Seq[SpecHistory]) -> int:
-        """Drafts allowed per request this step: k_max where speculation pays, else 0 (or a probe)."""
-        if not histories or not self._calibrated() or not all(h.known for h in histories):
-            return self.k_max  # measure first
-        self.speculating = self._speculative_goodput(histories) > self._plain_goodput(len(histories))
-        self.steps_off = 0 if self.speculating else self.steps_off + 1
-        if self.speculating or self.steps_off % PROBE_EVERY == 0:
-            return self.k_max
-        return 0
-
-    def _calibrated(self) -> bool:
-        return self.target_cost.known and (self.draft_cost is None or self.draft_cost.known)
-
-    def _plain_goodput(self, batch: int) -> float:
-        return batch / self.target_cost(batch)
-
-    def _speculative_goodput(self, histories: Seq[SpecHistory]) -> float:
-        batch = len(histories)
-        drafted = sum(h.drafts_per_step for h in histories)
-        seconds = self.target_cost(batch + drafted)
-        if self.draft_cost is not None:
-            seconds += self.draft_forwards * self.draft_cost(batch)
-        return sum(h.tokens_per_step for h in histories) / seconds
+    def verdicts(self) -> dict[int, bool]:
+        """Bucket -> speculating? (for logs and tests)."""
+        return {b: v.speculation_wins for b, v in self.buckets.items() if v.plain.known and v.speculative.known}

@@ -157,7 +157,7 @@ def test_adaptive_k_and_confidence_cutoff_stay_lossless(p_min: float, plain: LLM
     engine = make_engine(tiny_model_dir, speculative=spec)
     prompts = random_prompts(6, (3, 30), vocab, seed=53)
     assert outputs(engine, prompts, greedy(20)) == outputs(plain, prompts, greedy(20))
-    assert engine.policy is not None and engine.policy.target_cost.known
+    assert engine.policy is not None and engine.policy.verdicts()  # it measured both modes
 
 
 def test_seeded_sampling_reproduces_under_adaptive_speculation(tiny_model_dir: Path, tiny_draft_dir: Path,

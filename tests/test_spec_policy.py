@@ -1,71 +1,53 @@
-"""The adaptive speculation policy: on where measured goodput beats plain decoding, off (with probes) where not."""
+"""The adaptive speculation policy: whichever mode measures faster runs, the other is retried."""
 
 from __future__ import annotations
 
-import pytest
-
-from engine.spec_policy import PROBE_EVERY, AffineCost, SpecHistory, SpeculationPolicy
+from engine.spec_policy import EXPLORE_EVERY, SpeculationPolicy, bucket_of
 
 K = 6
 
 
-def _policy(target_fixed: float, target_per_token: float, draft: float | None, forwards: int = K) -> SpeculationPolicy:
-    policy = SpeculationPolicy(K, uses_draft_model=draft is not None)
-    for tokens in (1, 4, 8, 16, 32):
-        policy.observe_target(tokens, target_fixed + target_per_token * tokens)
-        if draft is not None:
-            policy.observe_draft(tokens, draft)
-    for _ in range(200):
-        policy.observe_draft_step(forwards)
-    return policy
+def _run(policy: SpeculationPolicy, batch: int, steps: int, spec_rate: float, plain_rate: float) -> list[int]:
+    """Drive the policy with steps whose goodput is spec_rate or plain_rate tokens/s."""
+    ks = []
+    for _ in range(steps):
+        k = policy.choose_k(batch)
+        ks.append(k)
+        rate = spec_rate if k else plain_rate
+        policy.observe(batch, k > 0, tokens=batch * 2, seconds=batch * 2 / rate)
+    return ks
 
 
-def _history(tokens_per_step: float, drafts_per_step: int = K) -> SpecHistory:
-    history = SpecHistory()
-    for _ in range(20):
-        history.observe(drafts_per_step, round(tokens_per_step) - 1)
-    return history
+def test_buckets_group_similar_batch_sizes() -> None:
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
 
 
-def test_affine_cost_recovers_line() -> None:
-    cost = AffineCost()
-    for tokens in (1, 2, 5, 9, 20):
-        cost.observe(tokens, 0.2 + 0.01 * tokens)
-    assert cost(10) == pytest.approx(0.3, rel=1e-6)
-    assert cost(0) == pytest.approx(0.2, rel=1e-6)
+def test_measures_both_modes_first() -> None:
+    policy = SpeculationPolicy(K)
+    assert _run(policy, 1, 2, spec_rate=10, plain_rate=5) == [K, 0]
 
 
-def test_history_means() -> None:
-    history = _history(5, drafts_per_step=6)
-    assert history.tokens_per_step == pytest.approx(5.0)
-    assert history.drafts_per_step == pytest.approx(6.0)
-    assert history.acceptance_rate == pytest.approx(4 / 6)
+def test_speculates_where_it_pays_and_still_checks_plain() -> None:
+    ks = _run(SpeculationPolicy(K), 1, 4 * EXPLORE_EVERY, spec_rate=8, plain_rate=5)
+    assert ks[2:].count(0) == 4  # one plain step every EXPLORE_EVERY, to notice a change
+    assert all(k == K for i, k in enumerate(ks[2:], start=3) if i % EXPLORE_EVERY)
 
 
-def test_measure_first_then_decide() -> None:
-    policy = SpeculationPolicy(K, uses_draft_model=True)
-    assert policy.choose_k([SpecHistory()]) == K  # nothing measured yet: speculate and measure
+def test_turns_off_where_it_loses_and_probes() -> None:
+    ks = _run(SpeculationPolicy(K), 16, 4 * EXPLORE_EVERY, spec_rate=30, plain_rate=45)
+    assert ks[2:].count(K) == 4 and ks[2:].count(0) == len(ks) - 6
 
 
-def test_high_yield_cheap_draft_speculates() -> None:
-    # 6 draft forwards at 20 ms + a 0.21 s verify for 5 tokens beats 0.2 s per token.
-    assert _policy(0.2, 0.002, draft=0.02).choose_k([_history(5)]) == K
+def test_verdict_follows_a_change_in_the_text() -> None:
+    policy = SpeculationPolicy(K)
+    _run(policy, 1, 3 * EXPLORE_EVERY, spec_rate=8, plain_rate=5)
+    assert policy.verdicts() == {0: True}
+    _run(policy, 1, 6 * EXPLORE_EVERY, spec_rate=3, plain_rate=5)  # prose: drafts stop paying
+    assert policy.verdicts() == {0: False}
 
 
-def test_low_yield_expensive_draft_turns_off_but_probes() -> None:
-    policy = _policy(0.2, 0.002, draft=0.08)
-    ks = [policy.choose_k([_history(1.5)]) for _ in range(2 * PROBE_EVERY)]
-    assert ks.count(0) == 2 * PROBE_EVERY - 2 and ks.count(K) == 2  # off, probing now and then
-
-
-def test_confident_drafting_changes_the_verdict() -> None:
-    # Same yield, but the draft's confidence cutoff stops after 2 forwards on average: now it pays.
-    assert _policy(0.2, 0.002, draft=0.08, forwards=6).choose_k([_history(2.5, 2)]) == 0
-    assert _policy(0.2, 0.002, draft=0.08, forwards=2).choose_k([_history(2.5, 2)]) == K
-
-
-def test_large_batch_on_compute_bound_target_stops_speculating() -> None:
-    # n-gram drafts cost nothing to make, but every verified token costs 20 ms once compute-bound.
-    policy = _policy(0.2, 0.02, draft=None)
-    assert policy.choose_k([_history(2.5, 3)]) == K
-    assert policy.choose_k([_history(2.5, 3)] * 32) == 0
+def test_each_load_level_has_its_own_verdict() -> None:
+    policy = SpeculationPolicy(K)
+    _run(policy, 1, 2 * EXPLORE_EVERY, spec_rate=8, plain_rate=5)
+    _run(policy, 16, 2 * EXPLORE_EVERY, spec_rate=30, plain_rate=45)
+    assert policy.verdicts() == {0: True, 4: False}

@@ -8,9 +8,6 @@ Rejected drafts need no rollback: the engine clamps `num_draft_computed_tokens` 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
 
 from engine.model_runner import ForwardInput, ModelRunner
@@ -25,13 +22,9 @@ class DraftModelProposer:
         self,
         runner: ModelRunner,
         p_min: float = 0.0,
-        on_forward: Callable[[int, float], None] | None = None,  # (tokens, seconds) per forward
-        on_step: Callable[[int], None] | None = None,  # forwards per drafting step
     ) -> None:
         self.runner = runner
         self.p_min = p_min
-        self.on_forward = on_forward
-        self.on_step = on_step
 
     def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
         # Only requests drafting this step touch the draft: one that skips steps (k = 0) catches
@@ -41,23 +34,14 @@ class DraftModelProposer:
         probs: dict[int, list[torch.Tensor]] = {id(item): [] for item in active}
         step = 0
         while active:
-            started = time.perf_counter()
             if step == 0:
                 inputs = [self._catch_up(item) for item in active]
             else:
                 inputs = [self._feed_last(item, drafts[id(item)]) for item in active]
             confident = self._draft_one(active, self.runner.forward(inputs), drafts, probs)
-            self._observe(inputs, started)
             step += 1
             active = [item for item, ok in zip(active, confident) if ok and item.num_spec_tokens > step]
-        if step and self.on_step is not None:
-            self.on_step(step)
         return [self._proposal(item, drafts, probs) for item in batch]
-
-    def _observe(self, inputs: list[ForwardInput], started: float) -> None:
-        """Report one draft forward's cost, sampling included, to the speculation policy."""
-        if self.on_forward is not None:
-            self.on_forward(sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
 
     def _catch_up(self, item: ScheduledSeq) -> ForwardInput:
         seq = item.seq

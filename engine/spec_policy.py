@@ -4,9 +4,10 @@ Whether drafting pays depends on the draft's cost, on how much of what it drafts
 (the text), and on load (a verify pass stops being nearly free once the batch makes it
 compute-bound). None of that is assumed here. The policy measures the goodput of whole decode steps,
 tokens emitted per second of step time (drafting, verification and acceptance included), separately
-for steps with drafts and steps without, per batch-size bucket, and lets the better one run. Every
-EXPLORE_EVERY-th step of a bucket runs the other one, so the verdict follows the text and the load
-as they change. Steps that carry prompt chunks are not measured: prefill would swamp the comparison.
+for steps with drafts and steps without, per batch-size bucket, and lets the better one run. Now and
+then a step runs the other mode (EXPLORE_EVERY steps after the verdict changes, backing off to
+MAX_EXPLORE_EVERY while it holds, since a try of the losing mode costs time), so the verdict follows
+the text and the load as they change. Steps that carry prompt chunks are not measured: prefill would swamp the comparison.
 
 Within a speculative step the draft's own confidence cutoff (draft_p_min) decides how many of the k
 drafts it really proposes, so k is a ceiling, not a quota.
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EXPLORE_EVERY = 16  # steps between tries of the losing mode, per bucket
+EXPLORE_EVERY = 16  # steps between tries of the losing mode, per bucket, while the verdict is new
+MAX_EXPLORE_EVERY = 64  # a verdict that keeps holding is re-checked ever less often, up to this
 DECAY = 0.9  # weight of the past in the running means
 
 
@@ -46,7 +48,9 @@ class Bucket:
 
     speculative: RunningMean = field(default_factory=RunningMean)
     plain: RunningMean = field(default_factory=RunningMean)
-    steps: int = 0
+    verdict: bool = True  # speculate?
+    interval: int = EXPLORE_EVERY  # steps between tries of the other mode
+    countdown: int = EXPLORE_EVERY
 
     @property
     def speculation_wins(self) -> bool:
@@ -66,14 +70,19 @@ class SpeculationPolicy:
     def choose_k(self, batch_size: int) -> int:
         """The drafts each request may get this step: k_max, or 0 where plain decoding wins."""
         bucket = self.buckets.setdefault(bucket_of(batch_size), Bucket())
-        bucket.steps += 1
         if not bucket.speculative.known:
             return self.k_max  # measure both first
         if not bucket.plain.known:
             return 0
-        speculate = bucket.speculation_wins
-        if bucket.steps % EXPLORE_EVERY == 0:
+        if bucket.speculation_wins != bucket.verdict:
+            bucket.verdict = bucket.speculation_wins
+            bucket.interval = bucket.countdown = EXPLORE_EVERY
+        speculate = bucket.verdict
+        bucket.countdown -= 1
+        if bucket.countdown <= 0:  # try the other mode; the verdict held, so check less often
             speculate = not speculate
+            bucket.interval = min(2 * bucket.interval, MAX_EXPLORE_EVERY)
+            bucket.countdown = bucket.interval
         return self.k_max if speculate else 0
 
     def observe(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:

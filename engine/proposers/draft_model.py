@@ -27,15 +27,20 @@ class DraftModelProposer:
         self.p_min = p_min
 
     def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
-        # Only requests drafting this step touch the draft: one that skips steps (k = 0) catches
-        # up on everything it missed in its next first forward, so k = 0 costs no draft time.
+        # The draft prefills prompts alongside the target, so drafting can start at any later step
+        # with a short catch-up. In decode only requests drafting this step touch the draft: one
+        # that skips steps (k = 0) catches up on what it missed when it drafts again.
         active = [item for item in batch if item.num_spec_tokens > 0]
+        prefilling = [item for item in batch if item.num_spec_tokens == 0 and _prompt_lags(item)]
         drafts: dict[int, list[int]] = {id(item): [] for item in active}
         probs: dict[int, list[torch.Tensor]] = {id(item): [] for item in active}
+        if prefilling and not active:
+            self.runner.forward([self._prefill(item) for item in prefilling])
         step = 0
         while active:
             if step == 0:
                 inputs = [self._catch_up(item) for item in active]
+                inputs += [self._prefill(item) for item in prefilling]  # no logits: after the rows
             else:
                 inputs = [self._feed_last(item, drafts[id(item)]) for item in active]
             confident = self._draft_one(active, self.runner.forward(inputs), drafts, probs)
@@ -48,6 +53,14 @@ class DraftModelProposer:
         start, end = seq.num_draft_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
         seq.num_draft_computed_tokens = end
         return ForwardInput(seq.token_ids[start:end], start, seq.block_table, 1)
+
+    def _prefill(self, item: ScheduledSeq) -> ForwardInput:
+        """The prompt part of this step's chunk, for a request not drafting this step."""
+        seq = item.seq
+        start = seq.num_draft_computed_tokens
+        end = min(seq.num_prompt_tokens, seq.num_computed_tokens + item.num_new_tokens)
+        seq.num_draft_computed_tokens = end
+        return ForwardInput(seq.token_ids[start:end], start, seq.block_table, 0)
 
     def _feed_last(self, item: ScheduledSeq, drafted: list[int]) -> ForwardInput:
         seq = item.seq
@@ -83,3 +96,10 @@ class DraftModelProposer:
         seq: Sequence = item.seq
         stacked = None if seq.params.greedy else torch.stack(probs[id(item)])  # [k, draft_vocab]
         return Proposal(drafts[id(item)], stacked)
+
+
+def _prompt_lags(item: ScheduledSeq) -> bool:
+    """Does the draft miss prompt tokens that the target will have computed after this step?"""
+    seq = item.seq
+    end = min(seq.num_prompt_tokens, seq.num_computed_tokens + item.num_new_tokens)
+    return seq.num_speculative_tokens > 0 and seq.num_draft_computed_tokens < end

@@ -396,6 +396,7 @@ def _tiny_config(path: Path, target: Path, draft: Path) -> Path:
         "served_model_name: tiny\n"
         "speculative_method: draft\n"
         "num_speculative_tokens: 3\n"
+        "speculative_adaptive: false\n"  # every spec round drafts: the test checks acceptance fields
         "dtype: float32\n"
         "num_threads: 1\n"
         "max_model_len: 512\n"

@@ -14,7 +14,9 @@ BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, the block
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -84,7 +86,9 @@ class BlockManager:
 
     def release(self, block_table: list[int]) -> None:
         """Drop a request's references; unreferenced blocks go back to the free list, keys kept."""
-        for block in reversed(block_table):  # tail blocks are reused first: they are least shareable
+        for block in reversed(
+            block_table
+        ):  # tail blocks are reused first: they are least shareable
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._free[block] = None
@@ -92,7 +96,9 @@ class BlockManager:
                     self._free.move_to_end(block, last=False)
         block_table.clear()
 
-    def cache_full_blocks(self, token_ids: list[int], block_table: list[int], num_computed: int) -> None:
+    def cache_full_blocks(
+        self, token_ids: list[int], block_table: list[int], num_computed: int
+    ) -> None:
         """Register every full block whose K/V are computed, so later requests can share it."""
         if not self.enable_prefix_caching:
             return

@@ -27,7 +27,9 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in ("none", "draft", "ngram"):
-            raise ValueError(f"speculative method must be none, draft or ngram, not {self.method!r}")
+            raise ValueError(
+                f"speculative method must be none, draft or ngram, not {self.method!r}"
+            )
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.method == "draft" and not self.draft_model:

@@ -36,7 +36,9 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         log.info("loading target model %s", config.model)
-        self.target = ModelRunner(load_model(config.model), config.device, config.dtype, config.block_size)
+        self.target = ModelRunner(
+            load_model(config.model), config.device, config.dtype, config.block_size
+        )
         self.tokenizer = self.target.tokenizer
         self.max_model_len = min(config.max_model_len or 1 << 30, self.target.max_model_len)
         self.eos_token_ids = frozenset(self.target.eos_token_ids)
@@ -51,7 +53,9 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
             runner.allocate_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.policy)
         self.seqs: dict[str, Sequence] = {}
         self.last_stats: StepStats | None = None
@@ -59,7 +63,9 @@ class LLMEngine:
 
     # ---- public API ------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         self.validate(prompt_token_ids, params)
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -134,7 +140,7 @@ class LLMEngine:
         prompts = list(prompts)
         per = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, per):
+        for rid, prompt, p in zip(ids, prompts, per, strict=True):
             self.add_request(rid, prompt, p)
         seqs = [self.seqs[rid] for rid in ids]
         while any(not seq.is_finished for seq in seqs):
@@ -143,14 +149,18 @@ class LLMEngine:
 
     # ---- the speculative step --------------------------------------------------------------
 
-    def _verify_inputs(self, batch: list[ScheduledSeq], proposals: list[Proposal]) -> list[ForwardInput]:
+    def _verify_inputs(
+        self, batch: list[ScheduledSeq], proposals: list[Proposal]
+    ) -> list[ForwardInput]:
         """The target sees each request's new tokens plus its drafts, all in one ragged forward."""
         inputs = []
-        for item, proposal in zip(batch, proposals):
+        for item, proposal in zip(batch, proposals, strict=True):
             seq, start = item.seq, item.seq.num_computed_tokens
             known = seq.token_ids[start : start + item.num_new_tokens]
             num_logits = _num_logits(item, proposal)
-            inputs.append(ForwardInput(known + proposal.token_ids, start, seq.block_table, num_logits))
+            inputs.append(
+                ForwardInput(known + proposal.token_ids, start, seq.block_table, num_logits)
+            )
         return inputs
 
     def _accept(
@@ -160,7 +170,7 @@ class LLMEngine:
         logits: torch.Tensor,  # [sum(num_logits), vocab_size]
     ) -> StepStats:
         spec, num_prompt, num_emitted, offset = SpecStats(), 0, 0, 0
-        for item, proposal in zip(batch, proposals):
+        for item, proposal in zip(batch, proposals, strict=True):
             rows = logits[offset : offset + _num_logits(item, proposal)]  # [num_logits, vocab_size]
             offset += rows.shape[0]
             num_prompt += item.num_prompt_tokens
@@ -202,7 +212,9 @@ class LLMEngine:
         history = verification_histories(seq.output_token_ids, proposal.token_ids)
         target_probs = processed_probs(target_logits, [seq.params] * (k + 1), history)
         draft_probs = self._match_vocab(proposal.probs, target_probs.shape[-1])
-        tokens = verify(target_probs, proposal.token_ids, draft_probs, seq.params.greedy, seq.generator)
+        tokens = verify(
+            target_probs, proposal.token_ids, draft_probs, seq.params.greedy, seq.generator
+        )
         num_accepted = len(tokens) - 1
         seq.spec.add(k, num_accepted)
         step_spec.add(k, num_accepted)
@@ -247,7 +259,10 @@ class LLMEngine:
         return None
 
     def _sample_logprobs(
-        self, seq: Sequence, logits: torch.Tensor, tokens: list[int]  # [len(tokens), vocab_size]
+        self,
+        seq: Sequence,
+        logits: torch.Tensor,
+        tokens: list[int],  # [len(tokens), vocab_size]
     ) -> list[TokenLogprob] | None:
         if seq.params.logprobs is None:
             return None
@@ -257,10 +272,16 @@ class LLMEngine:
         """rows[j] is the forward at position start + j: it scores the prompt token after it."""
         start = seq.num_computed_tokens
         targets = [p + 1 for p in range(start, start + rows.shape[0])]
-        keep = [j for j, t in enumerate(targets) if len(seq.prompt_logprobs) <= t < seq.num_prompt_tokens]
+        keep = [
+            j
+            for j, t in enumerate(targets)
+            if len(seq.prompt_logprobs) <= t < seq.num_prompt_tokens
+        ]
         if keep:
             ids = [seq.token_ids[targets[j]] for j in keep]
-            seq.prompt_logprobs.extend(logprobs_of(rows[keep], ids, seq.params.prompt_logprobs or 0))
+            seq.prompt_logprobs.extend(
+                logprobs_of(rows[keep], ids, seq.params.prompt_logprobs or 0)
+            )
         if len(seq.prompt_logprobs) >= seq.num_prompt_tokens:
             seq.prompt_logprobs_done = True
 
@@ -296,7 +317,9 @@ class LLMEngine:
             times=seq.times,
             step_time=time.monotonic(),
             new_logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
-            prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs
+            if first and seq.params.prompt_logprobs is not None
+            else None,
             prompt_token_ids=seq.prompt_token_ids if first else None,
         )
         seq.pending_token_ids, seq.pending_logprobs = [], []
@@ -315,7 +338,9 @@ class LLMEngine:
             log.info("loading draft model %s", spec.draft_model)
             loaded = load_model(spec.draft_model)
             check_same_vocab(self.tokenizer, loaded.tokenizer)
-            self.draft = ModelRunner(loaded, self.config.device, self.config.dtype, self.config.block_size)
+            self.draft = ModelRunner(
+                loaded, self.config.device, self.config.dtype, self.config.block_size
+            )
             return DraftModelProposer(self.draft, spec.draft_p_min)
         return NoProposer()
 

@@ -92,4 +92,8 @@ class SpeculationPolicy:
 
     def verdicts(self) -> dict[int, bool]:
         """Bucket -> speculating? (for logs and tests)."""
-        return {b: v.speculation_wins for b, v in self.buckets.items() if v.plain.known and v.speculative.known}
+        return {
+            b: v.speculation_wins
+            for b, v in self.buckets.items()
+            if v.plain.known and v.speculative.known
+        }

@@ -18,8 +18,13 @@ _HF_CACHE: dict[str, torch.nn.Module] = {}
 def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
     spec = overrides.pop("speculative", SpeculativeConfig())
     fields: dict[str, object] = dict(
-        model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=512,
-        max_num_seqs=32, max_num_batched_tokens=256, speculative=spec,
+        model=str(model_dir),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=512,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        speculative=spec,
     )
     fields.update(overrides)
     return LLMEngine(EngineConfig(**fields))  # type: ignore[arg-type]
@@ -39,8 +44,13 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
 
@@ -54,5 +64,7 @@ def greedy(max_tokens: int, **kw: object) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
 
 
-def outputs(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+def outputs(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+) -> list[list[int]]:
     return [seq.output_token_ids for seq in engine.generate(prompts, params)]

@@ -15,14 +15,19 @@ pytestmark = pytest.mark.slow
 
 TARGET = "bundled:qwen2.5-coder-1.5b-instruct"
 DRAFT = "bundled:qwen2.5-coder-0.5b-instruct"
-PROMPT = "def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
 
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    spec = SpeculativeConfig(method="draft", draft_model=DRAFT, num_speculative_tokens=4, adaptive=False)
-    return LLMEngine(EngineConfig(model=TARGET, dtype="float32", kv_cache_gib=0.25, num_threads=2,
-                                  speculative=spec))
+    spec = SpeculativeConfig(
+        method="draft", draft_model=DRAFT, num_speculative_tokens=4, adaptive=False
+    )
+    return LLMEngine(
+        EngineConfig(
+            model=TARGET, dtype="float32", kv_cache_gib=0.25, num_threads=2, speculative=spec
+        )
+    )
 
 
 def test_bundled_pair_speculates_losslessly(engine: LLMEngine) -> None:

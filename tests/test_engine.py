@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
 
 from engine.sampling_params import SamplingParams
-from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
 
 MAX_TOKENS = 10
 
@@ -28,7 +28,9 @@ def _reference(model_dir: Path, prompts: list[list[int]], n: int = MAX_TOKENS) -
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
-def test_greedy_matches_transformers_generate(engine, tiny_model_dir: Path, vocab: int, batch: int) -> None:
+def test_greedy_matches_transformers_generate(
+    engine, tiny_model_dir: Path, vocab: int, batch: int
+) -> None:
     prompts = random_prompts(batch, (2, 40), vocab, seed=batch)
     assert outputs(engine, prompts, greedy(MAX_TOKENS)) == _reference(tiny_model_dir, prompts)
     assert engine.block_manager.usage == 0.0
@@ -113,7 +115,11 @@ def test_stops_cut_output(engine, tiny_model_dir: Path, vocab: int) -> None:
     stop_at = ref[5]
     cut = ref.index(stop_at) + 1
     seq = engine.generate([prompt], greedy(12, stop_token_ids=(stop_at,)))[0]
-    assert seq.output_token_ids == ref[:cut] and seq.finish_reason == "stop" and seq.stop_reason == stop_at
+    assert (
+        seq.output_token_ids == ref[:cut]
+        and seq.finish_reason == "stop"
+        and seq.stop_reason == stop_at
+    )
     seq = engine.generate([prompt], greedy(4))[0]
     assert seq.output_token_ids == ref[:4] and seq.finish_reason == "length"
 

@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
 from scipy import stats
 
 from engine.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
 
 MAX_TOKENS = 12
 
@@ -29,11 +29,16 @@ def plain(tiny_model_dir: Path) -> LLMEngine:
 
 def _spec_engine(kind: str, model: Path, draft: Path, k: int = 4) -> LLMEngine:
     if kind == "ngram":
-        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3,
-                                 adaptive=False)
+        spec = SpeculativeConfig(
+            method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3, adaptive=False
+        )
     else:
-        spec = SpeculativeConfig(method="draft", num_speculative_tokens=k, adaptive=False,
-                                 draft_model=str(model if kind == "self-draft" else draft))
+        spec = SpeculativeConfig(
+            method="draft",
+            num_speculative_tokens=k,
+            adaptive=False,
+            draft_model=str(model if kind == "self-draft" else draft),
+        )
     return make_engine(model, speculative=spec)
 
 
@@ -45,10 +50,15 @@ def _repetitive_prompts(n: int, vocab: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("kind", ["draft", "self-draft", "ngram"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_greedy_speculation_equals_plain(kind: str, batch: int, plain: LLMEngine, tiny_model_dir: Path,
-                                         tiny_draft_dir: Path, vocab: int) -> None:
+def test_greedy_speculation_equals_plain(
+    kind: str, batch: int, plain: LLMEngine, tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
+) -> None:
     engine = _spec_engine(kind, tiny_model_dir, tiny_draft_dir)
-    prompts = _repetitive_prompts(batch, vocab) if kind == "ngram" else random_prompts(batch, (3, 30), vocab, 41)
+    prompts = (
+        _repetitive_prompts(batch, vocab)
+        if kind == "ngram"
+        else random_prompts(batch, (3, 30), vocab, 41)
+    )
     ks = [None, 0, 1, 2, 3, 4, 2, None][:batch]  # mixed k per request, including 0 (plain)
     params = [greedy(MAX_TOKENS, num_speculative_tokens=k) for k in ks]
     spec_seqs = engine.generate(prompts, params)
@@ -58,19 +68,20 @@ def test_greedy_speculation_equals_plain(kind: str, batch: int, plain: LLMEngine
     assert drafted > 0
     if kind == "self-draft":
         assert accepted == drafted  # the target drafting for itself is always right
-    for seq, k in zip(spec_seqs, ks):
+    for seq, k in zip(spec_seqs, ks, strict=True):
         if k == 0:
             assert seq.spec.num_draft_tokens == 0
     assert engine.block_manager.usage == 0.0
 
 
 @pytest.mark.parametrize("kind", ["self-draft", "ngram"])
-def test_stops_inside_accepted_runs(kind: str, plain: LLMEngine, tiny_model_dir: Path,
-                                    tiny_draft_dir: Path, vocab: int) -> None:
+def test_stops_inside_accepted_runs(
+    kind: str, plain: LLMEngine, tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
+) -> None:
     engine = _spec_engine(kind, tiny_model_dir, tiny_draft_dir, k=4)
     prompts = _repetitive_prompts(4, vocab)
     refs = outputs(plain, prompts, greedy(MAX_TOKENS))
-    for prompt, ref in zip(prompts, refs):
+    for prompt, ref in zip(prompts, refs, strict=True):
         stop_token = ref[6]
         cut = ref.index(stop_token) + 1
         seq = engine.generate([prompt], greedy(MAX_TOKENS, stop_token_ids=(stop_token,)))[0]
@@ -80,13 +91,19 @@ def test_stops_inside_accepted_runs(kind: str, plain: LLMEngine, tiny_model_dir:
     assert engine.block_manager.usage == 0.0
 
 
-def test_greedy_speculation_with_chunked_prefill_and_preemption(tiny_model_dir: Path, tiny_draft_dir: Path,
-                                                                  plain: LLMEngine, vocab: int) -> None:
-    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model=str(tiny_draft_dir),
-                             adaptive=False)
-    engine = make_engine(tiny_model_dir, speculative=spec, num_kv_blocks=24, max_num_batched_tokens=9)
+def test_greedy_speculation_with_chunked_prefill_and_preemption(
+    tiny_model_dir: Path, tiny_draft_dir: Path, plain: LLMEngine, vocab: int
+) -> None:
+    spec = SpeculativeConfig(
+        method="draft", num_speculative_tokens=3, draft_model=str(tiny_draft_dir), adaptive=False
+    )
+    engine = make_engine(
+        tiny_model_dir, speculative=spec, num_kv_blocks=24, max_num_batched_tokens=9
+    )
     prompts = random_prompts(4, (15, 30), vocab, seed=43)
-    assert outputs(engine, prompts, greedy(MAX_TOKENS)) == outputs(plain, prompts, greedy(MAX_TOKENS))
+    assert outputs(engine, prompts, greedy(MAX_TOKENS)) == outputs(
+        plain, prompts, greedy(MAX_TOKENS)
+    )
     assert engine.block_manager.num_free_blocks == 24
 
 
@@ -109,8 +126,10 @@ def _exact_pair_probs(model_dir: Path, prompt: list[int]) -> np.ndarray:
 
 def _sample_pairs(engine: LLMEngine, prompt: list[int]) -> tuple[list[tuple[int, int]], int]:
     """NUM_SAMPLES two-token samples, and how many draft tokens were verified on the way."""
-    params = [SamplingParams(max_tokens=2, temperature=TEMPERATURE, seed=s, ignore_eos=True)
-              for s in range(NUM_SAMPLES)]
+    params = [
+        SamplingParams(max_tokens=2, temperature=TEMPERATURE, seed=s, ignore_eos=True)
+        for s in range(NUM_SAMPLES)
+    ]
     seqs = engine.generate([prompt] * NUM_SAMPLES, params)
     pairs = [(s.output_token_ids[0], s.output_token_ids[1]) for s in seqs]
     return pairs, sum(s.spec.num_draft_tokens for s in seqs)
@@ -130,19 +149,30 @@ def _chi_square_pvalue(pairs: list[tuple[int, int]], probs: np.ndarray) -> float
 
 
 @pytest.mark.parametrize("kind", ["none", "draft", "ngram"])
-def test_sampled_pairs_follow_target_distribution(kind: str, tiny_model_dir: Path, tiny_draft_dir: Path,
-                                                  vocab: int) -> None:
+def test_sampled_pairs_follow_target_distribution(
+    kind: str, tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
+) -> None:
     prompt = random_prompts(1, (6, 6), vocab, seed=47)[0]
     prompt = prompt + prompt  # gives the n-gram proposer something to match
     spec = {
         "none": SpeculativeConfig(),
-        "draft": SpeculativeConfig(method="draft", num_speculative_tokens=2, draft_model=str(tiny_draft_dir),
-                                   adaptive=False),
-        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=3,
-                                   adaptive=False),
+        "draft": SpeculativeConfig(
+            method="draft",
+            num_speculative_tokens=2,
+            draft_model=str(tiny_draft_dir),
+            adaptive=False,
+        ),
+        "ngram": SpeculativeConfig(
+            method="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=3, adaptive=False
+        ),
     }[kind]
-    engine = make_engine(tiny_model_dir, speculative=spec, num_kv_blocks=4096, max_num_seqs=256,
-                         max_num_batched_tokens=8192)
+    engine = make_engine(
+        tiny_model_dir,
+        speculative=spec,
+        num_kv_blocks=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
     pairs, drafted = _sample_pairs(engine, prompt)
     assert (drafted > 0) == (kind != "none")
     assert len(set(pairs)) > 10  # not vacuous: sampling really spreads over many pairs
@@ -150,20 +180,28 @@ def test_sampled_pairs_follow_target_distribution(kind: str, tiny_model_dir: Pat
 
 
 @pytest.mark.parametrize("p_min", [0.0, 0.3])
-def test_adaptive_k_and_confidence_cutoff_stay_lossless(p_min: float, plain: LLMEngine, tiny_model_dir: Path,
-                                                        tiny_draft_dir: Path, vocab: int) -> None:
-    spec = SpeculativeConfig(method="draft", num_speculative_tokens=4, draft_model=str(tiny_draft_dir),
-                             adaptive=True, draft_p_min=p_min)
+def test_adaptive_k_and_confidence_cutoff_stay_lossless(
+    p_min: float, plain: LLMEngine, tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
+) -> None:
+    spec = SpeculativeConfig(
+        method="draft",
+        num_speculative_tokens=4,
+        draft_model=str(tiny_draft_dir),
+        adaptive=True,
+        draft_p_min=p_min,
+    )
     engine = make_engine(tiny_model_dir, speculative=spec)
     prompts = random_prompts(6, (3, 30), vocab, seed=53)
     assert outputs(engine, prompts, greedy(20)) == outputs(plain, prompts, greedy(20))
     assert engine.policy is not None and engine.policy.verdicts()  # it measured both modes
 
 
-def test_seeded_sampling_reproduces_under_adaptive_speculation(tiny_model_dir: Path, tiny_draft_dir: Path,
-                                                               vocab: int) -> None:
-    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model=str(tiny_draft_dir),
-                             adaptive=True)
+def test_seeded_sampling_reproduces_under_adaptive_speculation(
+    tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
+) -> None:
+    spec = SpeculativeConfig(
+        method="draft", num_speculative_tokens=3, draft_model=str(tiny_draft_dir), adaptive=True
+    )
     engine = make_engine(tiny_model_dir, speculative=spec)
     prompts = random_prompts(5, (4, 20), vocab, seed=59)
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=77, ignore_eos=True)

@@ -7,7 +7,9 @@ from engine.spec_policy import EXPLORE_EVERY, MAX_EXPLORE_EVERY, SpeculationPoli
 K = 6
 
 
-def _run(policy: SpeculationPolicy, batch: int, steps: int, spec_rate: float, plain_rate: float) -> list[int]:
+def _run(
+    policy: SpeculationPolicy, batch: int, steps: int, spec_rate: float, plain_rate: float
+) -> list[int]:
     """Drive the policy with steps whose goodput is spec_rate or plain_rate tokens/s."""
     ks = []
     for _ in range(steps):
@@ -35,9 +37,11 @@ def _tries(ks: list[int], losing: int) -> list[int]:
 def test_speculates_where_it_pays_and_still_checks_plain_less_and_less_often() -> None:
     ks = _run(SpeculationPolicy(K), 1, 8 * MAX_EXPLORE_EVERY, spec_rate=8, plain_rate=5)
     tries = _tries(ks, 0)
-    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
     assert tries[0] == EXPLORE_EVERY - 1
-    assert gaps[:2] == [2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY] and set(gaps[2:]) == {MAX_EXPLORE_EVERY}
+    assert gaps[:2] == [2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY] and set(gaps[2:]) == {
+        MAX_EXPLORE_EVERY
+    }
 
 
 def test_turns_off_where_it_loses_and_probes() -> None:

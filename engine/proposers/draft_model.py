@@ -45,7 +45,11 @@ class DraftModelProposer:
                 inputs = [self._feed_last(item, drafts[id(item)]) for item in active]
             confident = self._draft_one(active, self.runner.forward(inputs), drafts, probs)
             step += 1
-            active = [item for item, ok in zip(active, confident) if ok and item.num_spec_tokens > step]
+            active = [
+                item
+                for item, ok in zip(active, confident, strict=True)
+                if ok and item.num_spec_tokens > step
+            ]
         return [self._proposal(item, drafts, probs) for item in batch]
 
     def _catch_up(self, item: ScheduledSeq) -> ForwardInput:
@@ -77,12 +81,14 @@ class DraftModelProposer:
     ) -> list[bool]:
         """Draft one token for each active request; False where the draft is no longer confident."""
         seqs = [item.seq for item in active]
-        history = [seq.output_token_ids + drafts[id(item)] for seq, item in zip(seqs, active)]
+        history = [
+            seq.output_token_ids + drafts[id(item)] for seq, item in zip(seqs, active, strict=True)
+        ]
         step_probs = processed_probs(logits, [seq.params for seq in seqs], history)
         tokens = sample(step_probs, [seq.generator for seq in seqs])
         # Confidence uses the raw draft distribution, so greedy (one-hot) rows are judged too.
         confidence = torch.softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens].tolist()
-        for row, (item, token) in enumerate(zip(active, tokens)):
+        for row, (item, token) in enumerate(zip(active, tokens, strict=True)):
             drafts[id(item)].append(token)
             probs[id(item)].append(step_probs[row])
         return [p >= self.p_min for p in confidence]

@@ -220,12 +220,15 @@ class _Choice(BaseModel):
 
 
 class _Response(BaseModel):
-    """What every response and chunk carries besides its object name and choices."""
+    """The fields of every response and chunk, in OpenAI's order; subclasses narrow `object` and
+    `choices` (a redefined field keeps its place)."""
 
     id: str
+    object: str
     created: int = Field(default_factory=now)
     model: str
     system_fingerprint: str | None = None
+    choices: list[Any]
     usage: UsageInfo | None = None
     spec_decode: SpecDecodeSummary | None = None
 
@@ -236,7 +239,7 @@ class CompletionChoice(_Choice):
 
 
 class CompletionResponse(_Response):
-    object: Literal["text_completion"] = "text_completion"
+    object: Literal["text_completion"] = "text_completion"  # type: ignore[assignment]
     choices: list[CompletionChoice]
 
 
@@ -268,7 +271,7 @@ class ChatChoice(_Choice):
 
 
 class ChatCompletionResponse(_Response):
-    object: Literal["chat.completion"] = "chat.completion"
+    object: Literal["chat.completion"] = "chat.completion"  # type: ignore[assignment]
     choices: list[ChatChoice]
     prompt_token_ids: list[int] | None = None
 
@@ -284,7 +287,7 @@ class ChatChunkChoice(_Choice):
 
 
 class ChatCompletionChunk(_Response):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"  # type: ignore[assignment]
     choices: list[ChatChunkChoice]
     prompt_token_ids: list[int] | None = None
 

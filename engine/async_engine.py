@@ -84,10 +84,6 @@ class AsyncLLM:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     @property
-    def is_accepting(self) -> bool:
-        return self._accepting and self.is_alive
-
-    @property
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 

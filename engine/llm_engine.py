@@ -233,7 +233,7 @@ class LLMEngine:
         """Append an accepted run token by token; a stop inside the run cuts it there."""
         now = time.monotonic()
         if seq.times.first_token is None:
-            seq.times.first_token = seq.times.prefill_done = now
+            seq.times.first_token = now
         for i, token in enumerate(tokens):
             seq.token_ids.append(token)
             seq.pending_token_ids.append(token)

@@ -53,23 +53,18 @@ class SpecStats:
         """1 + accepted per draft pass: tokens each verify pass yields (vLLM's definition)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
-    def summary(self) -> dict[str, float | int | None]:
-        return {
-            "num_drafts": self.num_drafts,
-            "draft_tokens": self.num_draft_tokens,
-            "accepted_tokens": self.num_accepted_tokens,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_acceptance_length": self.mean_acceptance_length,
-        }
-
 
 @dataclass
 class RequestTimes:
     arrival: float
     first_scheduled: float | None = None
     first_token: float | None = None
-    prefill_done: float | None = None  # same as first_token: the prompt is fully computed
     finished: float | None = None
+
+    @property
+    def prefill_done(self) -> float | None:
+        """The prompt is fully computed when the first token comes out."""
+        return self.first_token
 
 
 @dataclass

@@ -142,7 +142,6 @@ class FakeEngine:
         now = time.monotonic()
         times.first_scheduled = times.first_scheduled or times.arrival
         times.first_token = times.first_token or now
-        times.prefill_done = times.first_token
         finished = len(produced) >= params.max_tokens
         times.finished = now if finished else None
         for fn in self.listeners:

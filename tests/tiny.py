@@ -115,39 +115,17 @@ def tiny_config(
     return _FAMILIES[family](**kwargs)
 
 
-def make_tiny_model(
-    path: str | Path,
-    family: str = "qwen2",
-    seed: int = 0,
-    num_layers: int = 2,
-    hidden_size: int = 64,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 512,
-    tie_word_embeddings: bool | None = None,
-    **overrides: Any,
-) -> Path:
-    """Build a random float32 model of the family with the tiny tokenizer; save all at path."""
+def make_tiny_model(path: str | Path, family: str = "qwen2", seed: int = 0, **config: Any) -> Path:
+    """Build a random float32 model of the family with the tiny tokenizer; save all at path.
+
+    `config` takes tiny_config's keywords (num_layers, hidden_size, ...) and config overrides."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(path)
     eos_id = int(tokenizer.convert_tokens_to_ids(EOS))  # type: ignore[arg-type]
-    config = tiny_config(
-        family,
-        vocab_size=len(tokenizer),
-        eos_token_id=eos_id,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        **overrides,
-    )
+    hf_config = tiny_config(family, vocab_size=len(tokenizer), eos_token_id=eos_id, **config)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     _spread_norm_weights(model, seed)
     model.save_pretrained(str(path))
     return path

@@ -95,6 +95,15 @@ class AsyncLLM:
     def kv_cache_usage(self) -> float:
         return self.engine.block_manager.usage
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests whose streams are open: admitted, running or not yet delivered."""
+        return len(self._streams)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.block_manager.num_blocks
+
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
 

@@ -21,7 +21,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import APIError, bad_request, not_ready
+from server.errors import RETRY_AFTER, APIError, bad_request, not_ready
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import (
     ChatCompletionRequest,
@@ -38,7 +38,9 @@ if TYPE_CHECKING:
     from engine.async_engine import AsyncLLM
 
 logger = logging.getLogger("specserve.server")
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/live", "/metrics")
+# Liveness: the process can serve or is draining; a dead engine or failed load wants a restart.
+LIVE_STATUSES = ("loading", "ready", "shutting_down")
 M = TypeVar("M", bound=BaseModel)
 _UNION_TAG = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]")
 
@@ -76,7 +78,8 @@ def create_app(
 ) -> FastAPI:
     """The app owns the engine's life: it starts it (after `load()` in a thread if `engine` is None,
     answering 503 meanwhile) and shuts it down."""
-    state = ServerState(settings, Metrics(settings.model_name), on_ready=on_ready)
+    metrics = Metrics(settings.model_name, settings.metrics_compat)
+    state = ServerState(settings, metrics, on_ready=on_ready)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -104,6 +107,9 @@ def create_app(
 
 async def _attach(state: ServerState, engine: AsyncLLM) -> None:
     engine.add_step_listener(state.metrics.on_step)
+    num_blocks = getattr(engine, "num_kv_blocks", None)
+    if isinstance(num_blocks, int):
+        state.metrics.set_cache_config(state.settings.block_size, num_blocks)
     await engine.start()
     state.engine = engine
     state.serving = OpenAIServing(engine, state.settings, state.metrics)
@@ -219,8 +225,13 @@ def _open_routes(state: ServerState) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
-        status = state.status
-        return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+        """Readiness: 200 only while new requests are taken."""
+        return _status_response(state.status, state.status == "ready")
+
+    @router.get("/live")
+    async def live() -> Response:
+        """Liveness: 200 while loading, serving or draining."""
+        return _status_response(state.status, state.status in LIVE_STATUSES)
 
     @router.get("/metrics")
     async def metrics() -> Response:
@@ -229,6 +240,11 @@ def _open_routes(state: ServerState) -> APIRouter:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return router
+
+
+def _status_response(status: str, ok: bool) -> Response:
+    headers = {} if ok else {"Retry-After": RETRY_AFTER[503]}
+    return JSONResponse({"status": status}, status_code=200 if ok else 503, headers=headers)
 
 
 def _sse(s: OpenAIServing, stream: Stream, settings: Settings) -> EventSourceResponse:
@@ -319,7 +335,7 @@ def _param_of(loc: Any) -> str | None:
 
 
 class BearerAuth:
-    """401 unless `Authorization: Bearer <api_key>`; /health and /metrics stay open."""
+    """401 unless `Authorization: Bearer <api_key>`; /health, /live and /metrics stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app

@@ -18,6 +18,11 @@ _TYPES = {
 }
 
 
+# Seconds a client (or router) should wait before retrying here: the queue drains in about a
+# step; a loading or draining server takes longer, and a router retries elsewhere meanwhile.
+RETRY_AFTER = {429: "1", 503: "5"}
+
+
 class APIError(Exception):
     """Raised anywhere in request handling; the app turns it into an error response."""
 
@@ -37,7 +42,9 @@ class APIError(Exception):
         )
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.status in RETRY_AFTER:
+            headers["Retry-After"] = RETRY_AFTER[self.status]
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
 
 

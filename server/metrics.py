@@ -1,12 +1,16 @@
 """Prometheus metrics, named and meant as vLLM's (`vllm:` becomes `specserve:`).
 
 Engine-wide counters and gauges come from each `StepStats` (a step listener); request latencies come
-from each request's `RequestOutput.times` and `step_time`.
+from each request's `RequestOutput.times` and `step_time`. With `metrics_compat: vllm` the series
+that routers and autoscalers read (production-stack router, KEDA, the Gateway API Inference
+Extension's endpoint picker) are also exported under vLLM's own names, read from the same children
+at scrape time so the two can never disagree.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,6 +20,9 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from engine.outputs import RequestOutput, StepStats
 
@@ -56,11 +63,24 @@ _HISTOGRAMS = {
 }
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 _SUCCESS = "request_success"
+_CACHE_CONFIG = "cache_config_info"
 
 METRIC_NAMES: tuple[str, ...] = (
     *(f"{PREFIX}{name}_total" for name in (*_COUNTERS, _PER_POS, _SUCCESS)),
-    *(f"{PREFIX}{name}" for name in (*_HISTOGRAMS, *_GAUGES)),
+    *(f"{PREFIX}{name}" for name in (*_HISTOGRAMS, *_GAUGES, _CACHE_CONFIG)),
 )
+
+MetricsCompat = Literal["vllm", "none"]
+
+# specserve name -> vLLM names; the `gpu_` forms are what older routers and dashboards query.
+VLLM_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_requests_running": ("vllm:num_requests_running",),
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+    "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
+    _CACHE_CONFIG: ("vllm:cache_config_info",),
+}
 
 # `_created` series double every counter and no dashboard reads them.
 disable_created_metrics()
@@ -69,19 +89,17 @@ disable_created_metrics()
 class Metrics:
     """One registry per server; thread-safe (the step listener may run on the engine's thread)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, compat: MetricsCompat = "vllm") -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
         reg = self.registry
-        self.counters = {
-            n: Counter(PREFIX + n, doc, labels, registry=reg).labels(model_name)
-            for n, doc in _COUNTERS.items()
+        counters = {
+            n: Counter(PREFIX + n, doc, labels, registry=reg) for n, doc in _COUNTERS.items()
         }
-        self.gauges = {
-            n: Gauge(PREFIX + n, doc, labels, registry=reg).labels(model_name)
-            for n, doc in _GAUGES.items()
-        }
+        gauges = {n: Gauge(PREFIX + n, doc, labels, registry=reg) for n, doc in _GAUGES.items()}
+        self.counters = {n: c.labels(model_name) for n, c in counters.items()}
+        self.gauges = {n: g.labels(model_name) for n, g in gauges.items()}
         self.histograms = {
             n: Histogram(PREFIX + n, doc, labels, buckets=b, registry=reg).labels(model_name)
             for n, (doc, b) in _HISTOGRAMS.items()
@@ -96,6 +114,18 @@ class Metrics:
         )  # fmt: skip
         for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name, reason)
+        self._cache_config = Gauge(
+            PREFIX + _CACHE_CONFIG, "KV cache configuration (the labels; the value is 1).",
+            ["model_name", "block_size", "num_gpu_blocks"], registry=reg,
+        )  # fmt: skip
+        if compat == "vllm":
+            sources = counters | gauges | {_CACHE_CONFIG: self._cache_config}
+            reg.register(VllmAliases({n: sources[n] for n in VLLM_ALIASES}))
+
+    def set_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
+        """Once the engine has sized its KV pool (the endpoint picker reads it for prefix scoring)."""
+        self._cache_config.clear()
+        self._cache_config.labels(self.model_name, str(block_size), str(num_gpu_blocks)).set(1)
 
     def on_step(self, stats: StepStats) -> None:
         c = self.counters
@@ -144,6 +174,26 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VllmAliases(Collector):
+    """Each source family again under its vLLM names, same labels and values, at every scrape."""
+
+    def __init__(self, sources: dict[str, MetricWrapperBase]) -> None:
+        self.sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        for name, source in self.sources.items():
+            for family in source.collect():
+                for alias in VLLM_ALIASES[name]:
+                    yield renamed(family, alias)
+
+
+def renamed(family: Metric, name: str) -> Metric:
+    """A copy of `family` called `name`; sample suffixes (`_total`, `_bucket`) are kept."""
+    copy = Metric(name, family.documentation, family.type, family.unit)
+    copy.samples = [s._replace(name=name + s.name[len(family.name) :]) for s in family.samples]
+    return copy
 
 
 class RequestMetrics:

@@ -1,7 +1,9 @@
 """`specserve serve`: one flag per settings key; flags override SPECSERVE_* and the --config file.
 
 uvicorn starts first and answers /health with 503 while the engine loads in a thread. SIGTERM stops
-admission (503), lets running requests finish within shutdown_grace_s, then stops the engine.
+admission (503 on /health and new requests; /live stays 200) and keeps listening while the running
+requests finish, within shutdown_grace_s; then uvicorn closes its socket and the engine stops.
+A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import argparse
 import logging
 import signal
 import sys
+import threading
+import time
 import types
 import typing
 from typing import Any
@@ -108,14 +112,35 @@ def serve(settings: Settings) -> int:
 
 
 def _graceful_server(config: Any, state: Any) -> Any:
-    """uvicorn's server, but the app answers 503 from the moment a signal arrives."""
+    """uvicorn's server, but the app answers 503 from the moment a signal arrives and keeps its
+    socket open while it drains, so probes and routers get answers instead of refused connections."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if not state.shutting_down:
-                logger.info("signal %d: no new requests; finishing the running ones", sig)
+            if state.shutting_down:
+                super().handle_exit(sig, frame)
+                return
+            logger.info("signal %d: no new requests; finishing the running ones", sig)
             state.shutting_down = True
+            threading.Thread(
+                target=self._exit_when_drained,
+                args=(sig, frame),
+                name="specserve-drain",
+                daemon=True,
+            ).start()
+
+        def _exit_when_drained(self, sig: int, frame: Any) -> None:
+            _wait_drained(state)
             super().handle_exit(sig, frame)
 
     return Server(config)
+
+
+def _wait_drained(state: Any) -> None:
+    deadline = time.monotonic() + state.settings.shutdown_grace_s
+    while time.monotonic() < deadline:
+        engine = state.engine
+        if engine is None or not engine.is_alive or engine.num_unfinished_requests == 0:
+            return
+        time.sleep(0.05)

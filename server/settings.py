@@ -66,7 +66,7 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     api_key: str | None = Field(
-        default=None, description="require this bearer token (all but /health, /metrics)"
+        default=None, description="require this bearer token (all but /health, /live, /metrics)"
     )
     max_num_seqs: int = Field(default=16, ge=1, description="most requests in one batch")
     max_num_batched_tokens: int = Field(default=512, ge=1, description="token budget of one step")
@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     max_waiting_requests: int = Field(default=256, ge=1, description="429 once this many wait")
     shutdown_grace_s: float = Field(
         default=30.0, ge=0, description="on SIGTERM, time to finish requests"
+    )
+    metrics_compat: Literal["vllm", "none"] = Field(
+        default="vllm",
+        description="also export the vllm: metric names routers read (none: only specserve:)",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="logging"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,8 @@ def _value_for(name: str) -> list[str]:
     if field.annotation is bool:
         return []
     choices = {"speculative_method": "ngram", "dtype": "float32", "log_level": "info"}
+    if typing.get_origin(field.annotation) is typing.Literal and name not in choices:
+        return [str(typing.get_args(field.annotation)[-1])]
     return [choices.get(name, "1")]
 
 

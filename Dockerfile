@@ -34,11 +34,13 @@ WORKDIR /app
 
 # Dependencies first (their layer survives source edits): torch from the PyTorch index,
 # everything else pinned by requirements.lock (its torch line names the CPU wheel, so drop it).
+# vllm-router too: the same image runs the router in front of replicas (compose, deploy/k8s).
 COPY pyproject.toml requirements.lock ./
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" \
     && grep -v '^torch==' requirements.lock > /tmp/constraints.txt \
     && python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/deps.txt \
-    && pip install -c /tmp/constraints.txt -r /tmp/deps.txt
+    && pip install -c /tmp/constraints.txt -r /tmp/deps.txt \
+    && pip install -c /tmp/constraints.txt vllm-router
 
 COPY README.md ./
 COPY engine ./engine

@@ -39,7 +39,8 @@ def dockerfile() -> str:
 
 def test_compose_services(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == {"specserve", "prometheus", "grafana"}
+    default = {name for name, service in services.items() if not service.get("profiles")}
+    assert default == {"specserve", "prometheus", "grafana"}
     assert services["specserve"]["build"]["context"] == "."
     assert "FETCH_MODELS" in services["specserve"]["build"]["args"]
     assert services["prometheus"]["depends_on"] == ["specserve"]
@@ -75,6 +76,29 @@ def test_compose_volumes(compose: dict[str, Any]) -> None:
     for mounts in (prom, graf):
         for source in mounts.values():
             assert source in named or (ROOT / source).exists(), source
+
+
+def test_compose_router_profile(compose: dict[str, Any]) -> None:
+    """`--profile router`: replicas like the default one behind vllm-router, all scraped."""
+    services = compose["services"]
+    profiled = {
+        name for name, service in services.items() if "router" in service.get("profiles", [])
+    }
+    assert profiled == {"router", "replica-2"}
+    replicas = ["specserve", "replica-2"]
+    for name in replicas:
+        service = services[name]
+        assert service["command"] == services["specserve"]["command"]
+        assert _mounts(compose, name)["/models"] == _mounts(compose, "specserve")["/models"]
+    args = services["router"]["command"]
+    assert args[0] == "vllm-router" and "--policy=cache_aware" in args
+    urls = args[args.index("--worker-urls") + 1 : args.index("--worker-urls") + 1 + len(replicas)]
+    assert urls == [f"http://{name}:8000" for name in replicas]
+    assert set(services["router"]["depends_on"]) == set(replicas)
+    jobs = _yaml(ROOT / "configs" / "prometheus.yml")["scrape_configs"]
+    targets = {t for job in jobs for c in job["static_configs"] for t in c["targets"]}
+    metrics_port = next(a for a in args if a.startswith("--prometheus-port=")).split("=")[1]
+    assert {f"{name}:8000" for name in replicas} | {f"router:{metrics_port}"} <= targets
 
 
 # --- Prometheus and Grafana -------------------------------------------------------------

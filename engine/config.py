@@ -60,6 +60,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU
     seed: int = 0
+    # Ranks the target is sharded over (engine/parallel); the draft runs whole on rank 0.
+    tensor_parallel_size: int = 1
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
@@ -67,3 +69,7 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_size > 1 and self.speculative.draft_model == self.model:
+            raise ValueError("with tensor parallelism the draft must be a different model")

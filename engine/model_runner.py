@@ -11,6 +11,8 @@ from engine.attention import AttentionMetadata, RequestSpan
 from engine.loader import LoadedModel
 from engine.models import build_decoder
 from engine.models.decoder import DecoderModel, KVCache
+from engine.parallel.layers import shard_decoder
+from engine.parallel.state import TensorParallel, tensor_parallel_for
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,7 +37,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
-        self.model = _build_model(loaded, self.device, self.dtype)
+        self.tp = tensor_parallel_for(loaded.name)  # sharded target, or None
+        self.model = _build_model(loaded, self.device, self.dtype, self.tp)
         self.kv_caches: list[KVCache] = []
 
     @property
@@ -75,6 +78,8 @@ class ModelRunner:
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * element
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.tp is not None:
+            self.tp.lead("allocate_kv_cache", num_blocks)
         s = self.model.shape
         shape = (2, s.num_kv_heads, num_blocks, self.block_size, s.head_dim)
         self.kv_caches = []
@@ -87,6 +92,8 @@ class ModelRunner:
         """-> [sum(num_logits), vocab_size] float32, in input order."""
         if not self.kv_caches:
             raise RuntimeError("allocate_kv_cache() before forward()")
+        if self.tp is not None:
+            self.tp.lead("forward", inputs)
         inputs = [i for i in inputs if i.token_ids]
         if not inputs:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
@@ -128,11 +135,17 @@ def _flatten(
     )
 
 
-def _build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> DecoderModel:
+def _build_model(
+    loaded: LoadedModel, device: torch.device, dtype: torch.dtype, tp: TensorParallel | None
+) -> DecoderModel:
     with torch.device("meta"):
         model = build_decoder(loaded.architecture, loaded.hf_config)
-    model = model.to(dtype).to_empty(device=device)
+    # A sharded model loads whole in host memory, then only this rank's shard goes to the device.
+    model = model.to(dtype).to_empty(device="cpu" if tp is not None else device)
     model.load_weights(loaded.iter_weights())
+    if tp is not None:
+        shard_decoder(model, tp)
+        model = model.to(device)
     model.init_rotary(loaded.hf_config, device)
     return model.eval()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -65,10 +66,23 @@ def run(args: argparse.Namespace) -> int:
 def serve(settings: Settings) -> int:
     import uvicorn
 
+    from engine.parallel.launch import torchrun_rank, torchrun_worker
     from server.app import create_app
 
+    rank = torchrun_rank()
+    if rank not in (None, 0):
+        return torchrun_worker(settings.engine_config(), rank)
     failed: list[BaseException] = []
+    groups: list[Any] = []  # the tensor-parallel group, once launched
     url = f"http://{settings.host}:{settings.port}"
+
+    def on_rank_failure(reason: str) -> None:
+        """A dead rank: stop serving (503, drain what can finish) and exit non-zero, for sure."""
+        failed.append(RuntimeError(reason))
+        os.kill(os.getpid(), signal.SIGTERM)
+        backstop = threading.Timer(settings.shutdown_grace_s + 15, os._exit, args=(1,))
+        backstop.daemon = True
+        backstop.start()
 
     def load() -> Any:
         logger.info(
@@ -84,7 +98,12 @@ def serve(settings: Settings) -> int:
             )
         from engine.async_engine import AsyncLLM
 
-        return AsyncLLM.from_config(settings.engine_config(), settings.model_name)
+        config = settings.engine_config()
+        if config.tensor_parallel_size > 1:
+            from engine.parallel.launch import launch
+
+            groups.append(launch(config, on_rank_failure))
+        return AsyncLLM.from_config(config, settings.model_name)
 
     def on_load_error(exc: BaseException) -> None:
         failed.append(exc)
@@ -108,6 +127,11 @@ def serve(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
+    if groups and not failed:
+        groups[0].stop()
+    if groups and failed:
+        logging.shutdown()
+        os._exit(1)  # skip gloo's teardown, which aborts when a peer is already gone
     return 1 if failed else 0
 
 

@@ -60,6 +60,11 @@ class Settings(BaseSettings):
         default=0.0, ge=0.0, lt=1.0, description="stop drafting below this draft probability"
     )
     device: str = Field(default="cpu", description="cpu, cuda, cuda:N")
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="shard the target over this many ranks (gloo on CPU, NCCL on CUDA)",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="bfloat16", description="weights"
     )
@@ -148,6 +153,7 @@ class Settings(BaseSettings):
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
             num_threads=self.num_threads,
+            tensor_parallel_size=self.tensor_parallel_size,
             speculative=spec,
         )
 

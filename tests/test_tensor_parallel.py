@@ -1,0 +1,194 @@
+"""Tensor parallelism on gloo: `specserve serve --tensor-parallel-size 2` gives the greedy tokens
+of the unsharded engine (float32, two model families, speculation on and off, n-gram and draft
+model), and a rank that dies takes the server to a non-zero exit instead of a hang."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from server_utils import free_port
+from tiny import make_tiny_model
+
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.models.decoder import DecoderShape
+from engine.parallel.layers import check_shardable, local_shape
+from engine.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
+    "for i in range(10):\n    print(i * i)\nfor i in range(10):\n    print(i",
+    "Hello, world! How are you today?",
+]
+MAX_TOKENS = 24
+K = 3
+
+
+def shape(**kw: Any) -> DecoderShape:
+    base: dict[str, Any] = dict(
+        vocab_size=10, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, qkv_bias=False, o_bias=False,
+        qk_norm=False, tie_word_embeddings=True,
+    )  # fmt: skip
+    return DecoderShape(**(base | kw))
+
+
+def test_local_shape_splits_heads_and_replicates_kv_heads_past_their_count() -> None:
+    two = local_shape(shape(), 2)
+    assert (two.num_heads, two.num_kv_heads, two.intermediate_size) == (2, 1, 64)
+    four = local_shape(shape(), 4)
+    assert (four.num_heads, four.num_kv_heads, four.intermediate_size) == (1, 1, 32)
+    check_shardable(shape(), 4)
+    for bad in (3, 8):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            check_shardable(shape(), bad)
+
+
+def test_tensor_parallel_needs_a_different_draft() -> None:
+    spec = SpeculativeConfig(method="draft", draft_model="m")
+    with pytest.raises(ValueError, match="different model"):
+        EngineConfig(model="m", tensor_parallel_size=2, speculative=spec)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Untied embeddings, no biases (qwen2 has q/k/v biases and tied embeddings)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), family="llama", seed=3)
+
+
+def reference_tokens(model_dir: Path, draft_dir: Path | None) -> dict[tuple[str, int], list[int]]:
+    """The unsharded engine's greedy tokens per (prompt, k): k = 0 is speculation off."""
+    spec = SpeculativeConfig(
+        method="draft" if draft_dir else "ngram", num_speculative_tokens=K, adaptive=False,
+        draft_model=str(draft_dir) if draft_dir else None,
+    )  # fmt: skip
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), dtype="float32", kv_cache_gib=0.02, speculative=spec)
+    )
+    out = {}
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        for k in (0, K):
+            params = SamplingParams(
+                max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, num_speculative_tokens=k
+            )
+            (seq,) = engine.generate([ids], params)
+            out[(prompt, k)] = list(seq.token_ids[len(ids) :])
+    return out
+
+
+def serve_tp(model_dir: Path, log: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
+        "--served-model-name", "tiny", "--dtype", "float32", "--port", str(port),
+        "--kv-cache-gib", "0.02", "--num-threads", "1", "--tensor-parallel-size", "2",
+        "--num-speculative-tokens", str(K), "--no-speculative-adaptive", *extra,
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the tensor-parallel server never became ready")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def completion(url: str, prompt: str, k: int) -> dict[str, Any]:
+    body = {
+        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True, "num_speculative_tokens": k,
+    }  # fmt: skip
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+@pytest.mark.parametrize("case", ["qwen2-ngram", "llama-ngram", "qwen2-draft"])
+def test_tp2_gives_the_greedy_tokens_of_tp1(
+    case: str, tiny_model_dir: Path, tiny_draft_dir: Path, llama_dir: Path, tmp_path: Path
+) -> None:
+    family, method = case.split("-")
+    model_dir = llama_dir if family == "llama" else tiny_model_dir
+    draft_dir = tiny_draft_dir if method == "draft" else None
+    expected = reference_tokens(model_dir, draft_dir)
+    extra = ["--speculative-method", method]
+    extra += ["--draft-model", str(draft_dir)] if draft_dir else []
+    proc, url = serve_tp(model_dir, tmp_path / "serve.log", *extra)
+    try:
+        drafted = 0
+        for (prompt, k), tokens in expected.items():
+            out = completion(url, prompt, k)
+            assert out["choices"][0]["token_ids"] == tokens, (case, prompt, k)
+            drafted += out["spec_decode"]["drafted_tokens"] if k else 0
+        assert drafted > 0, "speculation ran on the requests that asked for it"
+    finally:
+        code = stop(proc)
+    log = (tmp_path / "serve.log").read_text()
+    assert "tensor-parallel rank 1/2 ready" in log
+    assert code == 0, log[-3000:]
+
+
+def test_a_dead_rank_stops_the_server_with_a_non_zero_exit(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "serve.log"
+    proc, url = serve_tp(tiny_model_dir, log, "--speculative-method", "none")
+    try:
+        (worker_pid,) = map(
+            int, re.findall(r"tensor-parallel rank 1 \(pid (\d+)\)", log.read_text())
+        )
+        body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and not events:
+                    subprocess.run(["kill", "-9", str(worker_pid)], check=True)
+                events.append(line)
+        data = [json.loads(e[5:]) for e in events if e.startswith("data:") and "[DONE]" not in e]
+        assert data[-1]["error"]["type"] == "service_unavailable", data[-1]
+        assert proc.wait(timeout=60) != 0, "a dead rank is a failure"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "tensor-parallel rank 1 exited" in log.read_text()
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -9,8 +9,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,11 @@ from tiny import make_tiny_model
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+from engine.model_runner import ForwardInput, ModelRunner
 from engine.models.decoder import DecoderShape
-from engine.parallel.layers import check_shardable, local_shape
+from engine.parallel.layers import check_shardable, local_shape, shard_decoder
+from engine.parallel.state import TensorParallel
 from engine.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +65,67 @@ def test_tensor_parallel_needs_a_different_draft() -> None:
     spec = SpeculativeConfig(method="draft", draft_model="m")
     with pytest.raises(ValueError, match="different model"):
         EngineConfig(model="m", tensor_parallel_size=2, speculative=spec)
+
+
+class ThreadGroup:
+    """All-reduce among threads, summing in rank order on every rank (as one gloo group would)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.barrier = threading.Barrier(world_size, timeout=60)
+        self.parts: list[torch.Tensor | None] = [None] * world_size
+
+    def all_reduce(self, rank: int, x: torch.Tensor) -> torch.Tensor:
+        self.parts[rank] = x.clone()
+        self.barrier.wait()
+        total = torch.stack([p for p in self.parts if p is not None]).sum(0)
+        self.barrier.wait()
+        return x.copy_(total)
+
+
+@dataclass(frozen=True)
+class ThreadTP(TensorParallel):
+    group: ThreadGroup = field(default_factory=lambda: ThreadGroup(1))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.rank, x)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shards_reproduce_the_whole_model(
+    family: str, world_size: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """TP 2 splits the 2 KV heads; TP 4 replicates each on two ranks. Every rank ends with the
+    unsharded logits (prefill of two requests, then a decode step over the cached prefix)."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(family), family=family, seed=5)
+    steps = [
+        [ForwardInput(list(range(5, 25)), 0, [0, 1], 20), ForwardInput([7, 8, 9], 0, [2], 3)],
+        [ForwardInput([30], 20, [0, 1], 1), ForwardInput([31, 32], 3, [2], 2)],
+    ]
+    whole = ModelRunner(load_model(str(model_dir)), "cpu", "float32", 16)
+    whole.allocate_kv_cache(8)
+    group, results = ThreadGroup(world_size), [None] * world_size
+    runners = []
+    for rank in range(world_size):
+        runner = ModelRunner(load_model(str(model_dir)), "cpu", "float32", 16)
+        shard_decoder(runner.model, ThreadTP(rank, world_size, str(model_dir), group))
+        runner.allocate_kv_cache(8)
+        runners.append(runner)
+    assert runners[0].kv_caches[0][0].shape[0] == max(1, 2 // world_size), "local KV heads"
+    for step in steps:
+        expected = whole.forward(step)
+
+        def rank_main(rank: int, step: list[ForwardInput] = step) -> None:
+            results[rank] = runners[rank].forward(step)
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for logits in results:
+            torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
+            assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
 @pytest.fixture(scope="module")

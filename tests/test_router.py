@@ -124,7 +124,8 @@ def complete(url: str, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
     return dict(r.json())
 
 
-def prompt_tokens_seen(replica: Proc) -> float:
+def prompt_tokens_handled(replica: Proc) -> float:
+    """Prompt tokens the replica computed or found in its prefix cache."""
     text = httpx.get(replica.url + "/metrics", timeout=10).text
     return metric_value(text, "specserve:prompt_tokens_total", model_name="tiny") + metric_value(
         text, "vllm:prefix_cache_hits_total", model_name="tiny"
@@ -137,10 +138,10 @@ def test_requests_succeed_through_the_router(cluster: Cluster) -> None:
         assert out["usage"]["completion_tokens"] == 5
         models = httpx.get(router.url + "/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
-    before = [prompt_tokens_seen(r) for r in cluster.replicas]
+    before = [prompt_tokens_handled(r) for r in cluster.replicas]
     for i in range(4):
         complete(cluster.round_robin.url, f"{i} round robin")
-    after = [prompt_tokens_seen(r) for r in cluster.replicas]
+    after = [prompt_tokens_handled(r) for r in cluster.replicas]
     assert all(a > b for a, b in zip(after, before, strict=True)), "round robin uses both"
 
 
@@ -148,12 +149,12 @@ def test_repeated_prefix_lands_on_the_replica_that_cached_it(cluster: Cluster) -
     for prefix in PREFIXES:
         first = complete(cluster.cache_aware.url, prefix)
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        before = [prompt_tokens_seen(r) for r in cluster.replicas]
+        before = [prompt_tokens_handled(r) for r in cluster.replicas]
         for n in range(3):
             again = complete(cluster.cache_aware.url, prefix + f" {n}")
             cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached >= len(prefix) // 8, f"repeat {n} missed the cache ({cached} tokens)"
-        grew = [prompt_tokens_seen(r) > b for r, b in zip(cluster.replicas, before, strict=True)]
+        grew = [prompt_tokens_handled(r) > b for r, b in zip(cluster.replicas, before, strict=True)]
         assert grew.count(True) == 1, "every repeat went to one replica"
 
 

@@ -166,13 +166,18 @@ def serve_tp(model_dir: Path, log: Path, *extra: str) -> tuple[subprocess.Popen[
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc, log)
+    return proc, url
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"exited {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
@@ -224,6 +229,35 @@ def test_tp2_gives_the_greedy_tokens_of_tp1(
     log = (tmp_path / "serve.log").read_text()
     assert "tensor-parallel rank 1/2 ready" in log
     assert code == 0, log[-3000:]
+
+
+def test_torchrun_starts_the_same_group(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Under torchrun every rank runs `specserve serve`; ranks other than 0 become workers."""
+    expected = reference_tokens(tiny_model_dir, None)
+    port, log = free_port(), tmp_path / "torchrun.log"
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2",
+        "--master-port", str(free_port()), "-m", "server.cli", "serve",
+        "--model", str(tiny_model_dir), "--dtype", "float32", "--port", str(port),
+        "--kv-cache-gib", "0.02", "--num-threads", "1", "--tensor-parallel-size", "2",
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, log)
+        for prompt in PROMPTS:
+            out = completion(url, prompt, 0)
+            assert out["choices"][0]["token_ids"] == expected[(prompt, 0)], prompt
+    finally:
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it on and exits 1 for a signal
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "tensor-parallel rank 1/2 ready" in text and "Finished server process" in text
 
 
 def test_a_dead_rank_stops_the_server_with_a_non_zero_exit(

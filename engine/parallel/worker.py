@@ -27,6 +27,10 @@ _OPS = ("allocate_kv_cache", "forward")
 
 
 def run_worker(config: EngineConfig, tp: TensorParallel, device: str) -> int:
+    # Rank 0 leads the shutdown (Ctrl-C and torchrun signal every rank); a worker ends on its
+    # "stop", when its parent dies, or when a collective fails.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     set_tensor_parallel(tp)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -57,10 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-threads", type=int, default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Rank 0 leads the shutdown (a Ctrl-C reaches the whole process group); a worker ends on
-    # its "stop", when its parent dies, or when a collective fails.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,

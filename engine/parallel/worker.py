@@ -9,6 +9,7 @@ collective fails), so a crashed server never leaves ranks behind.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -40,7 +41,11 @@ def run_worker(config: EngineConfig, tp: TensorParallel, device: str) -> int:
         op, args = tp.follow()
         if op == "stop":
             return 0
-        if op not in _OPS:
+        if op == "forward":
+            (inputs,) = args
+            # Only rank 0 samples: skip the (replicated, vocabulary-wide) lm_head here.
+            args = ([dataclasses.replace(i, num_logits=0) for i in inputs],)
+        elif op not in _OPS:
             raise RuntimeError(f"rank {tp.rank}: unknown operation {op!r} from rank 0")
         getattr(runner, op)(*args)
 

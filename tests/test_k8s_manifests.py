@@ -138,6 +138,10 @@ def test_router_discovers_the_replica_pods(rendered: Rendered) -> None:
     selector = args[args.index("--selector") + 1 : args.index("--selector") + 3]
     assert dict(s.split("=") for s in selector) == REPLICA_LABELS
     assert "--service-discovery-port=8000" in args and "--policy=cache_aware" in args
+    router_args = pytest.importorskip("vllm_router.launch_router")
+    parsed = router_args.parse_router_args([a.replace("$(POD_NAMESPACE)", "ns") for a in args])
+    assert parsed.service_discovery and parsed.selector == REPLICA_LABELS
+    assert (parsed.service_discovery_namespace, parsed.health_check_endpoint) == ("ns", "/health")
     role = res[("Role", "specserve-router")]
     binding = res[("RoleBinding", "specserve-router")]
     assert binding["subjects"][0]["name"] == pod["serviceAccountName"]

@@ -95,6 +95,8 @@ def test_compose_router_profile(compose: dict[str, Any]) -> None:
     urls = args[args.index("--worker-urls") + 1 : args.index("--worker-urls") + 1 + len(replicas)]
     assert urls == [f"http://{name}:8000" for name in replicas]
     assert set(services["router"]["depends_on"]) == set(replicas)
+    router_args = pytest.importorskip("vllm_router.launch_router")
+    assert router_args.parse_router_args(args[1:]).worker_urls == urls, "vllm-router accepts it"
     jobs = _yaml(ROOT / "configs" / "prometheus.yml")["scrape_configs"]
     targets = {t for job in jobs for c in job["static_configs"] for t in c["targets"]}
     metrics_port = next(a for a in args if a.startswith("--prometheus-port=")).split("=")[1]

@@ -13,14 +13,34 @@ Then every emitted token is distributed exactly as p: P(x) = q(x) min(1, p(x)/q(
 A one-hot draft (n-gram) has q_i(x_i) = 1: accept with probability p_i(x_i), else recover from
 p_i with x_i removed. Greedy is the limit where p is one-hot: accept while the draft equals the
 target's argmax.
+
+`verify_batch` verifies a whole step at once in vLLM's flattened layout: request b has k_b drafts
+and k_b + 1 verify rows (one per draft, then the bonus row), stacked request after request into
+one [num_tokens, V] tensor; `cu_num_draft_tokens` holds the cumulative k_b. `verify` (one request)
+is the reference it must equal: a seeded request draws from its own generator exactly what `verify`
+would (k uniforms, then V for the recovered or bonus token), whatever else is in the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
 import torch
 from torch import Tensor
 
-from engine.sampler import exponential, race
+from engine.sampler import (
+    SamplingTensors,
+    apply_penalties,
+    exponential,
+    exponential_noise,
+    probs_from_logits,
+    race,
+    uniform,
+    verification_penalty_pairs,
+)
+from engine.sampling_params import SamplingParams
 
 
 def verify(
@@ -100,3 +120,235 @@ def _recovery_dist(
     # p == q leaves nothing to recover from (only reached by float error): fall back to p.
     use_target = (num_accepted == k) | (residual.sum(dim=-1) <= 0.0)  # [B]
     return torch.where(use_target[:, None], final_dist, residual)
+
+
+# ---- one batched verification per step ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpecDecodeMetadata:
+    """Where each request's drafts and verify rows sit in the step's flattened tensors."""
+
+    num_draft_tokens: list[int]  # [batch] k_b
+    first_rows: list[int]  # [batch] first verify row of each request; its bonus row is first + k_b
+    draft_token_ids: Tensor  # [num_draft_tokens] long, request after request
+    cu_num_draft_tokens: Tensor  # [batch] long: request b's drafts end here (vLLM's layout)
+    draft_request: Tensor  # [num_draft_tokens] the request of each draft
+    draft_position: Tensor  # [num_draft_tokens] its position 0..k_b-1 within the request
+    target_rows: Tensor  # [num_draft_tokens] the verify row that scores each draft
+
+    @staticmethod
+    def from_drafts(draft_token_ids: list[list[int]], device: torch.device) -> SpecDecodeMetadata:
+        num_draft = [len(d) for d in draft_token_ids]
+        cu = list(accumulate(num_draft))
+        request = [b for b, k in enumerate(num_draft) for _ in range(k)]
+        position = [i for k in num_draft for i in range(k)]
+        columns = [
+            [t for d in draft_token_ids for t in d],
+            request,
+            position,
+            [j + b for j, b in enumerate(request)],
+        ]
+        table = torch.tensor(columns, dtype=torch.long, device=device)  # [4, num_draft_tokens]
+        return SpecDecodeMetadata(
+            num_draft_tokens=num_draft,
+            first_rows=[c - k + b for b, (c, k) in enumerate(zip(cu, num_draft, strict=True))],
+            draft_token_ids=table[0],
+            cu_num_draft_tokens=torch.tensor(cu, dtype=torch.long, device=device),
+            draft_request=table[1],
+            draft_position=table[2],
+            target_rows=table[3],
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.num_draft_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.draft_token_ids) + self.batch_size
+
+
+def verify_batch(
+    target_logits: Tensor,  # [num_tokens, V] raw target logits: k_b + 1 verify rows per request
+    draft_token_ids: list[list[int]],  # [batch] the k_b drafts of each request
+    draft_probs: list[Tensor | None],  # [batch] [k_b, V] draft probs; None: one-hot (n-gram)
+    params: list[SamplingParams],  # [batch]
+    output_token_ids: list[list[int]],  # [batch] tokens so far; read only where penalties apply
+    generators: Sequence[torch.Generator | None],  # [batch] a seeded request's own generator
+) -> list[list[int]]:  # [batch] accepted drafts + one recovered or bonus token
+    """Verify a step's requests in one pass: penalties, sampling transforms, rejection sampling,
+    then one copy to the host."""
+    device, vocab_size = target_logits.device, target_logits.shape[1]
+    metadata = SpecDecodeMetadata.from_drafts(draft_token_ids, device)
+    if target_logits.shape[0] != metadata.num_tokens:
+        raise ValueError(
+            f"{target_logits.shape[0]} verify rows for {metadata.num_tokens} (drafts + 1 per request)"
+        )
+    row_params = [
+        p for p, k in zip(params, metadata.num_draft_tokens, strict=True) for _ in range(k + 1)
+    ]
+    sampling = SamplingTensors.from_params(row_params, vocab_size, device)
+    logits = target_logits.float()
+    if sampling.do_penalties:
+        penalized = [b for b, p in enumerate(params) if p.has_penalties]
+        rows, ids = verification_penalty_pairs(
+            [metadata.first_rows[b] for b in penalized],
+            [output_token_ids[b] for b in penalized],
+            [draft_token_ids[b] for b in penalized],
+        )
+        logits = apply_penalties(logits, sampling, rows, ids)
+    flat_draft_probs = flatten_draft_probs(draft_probs, metadata)
+    output, _ = rejection_sample(logits, sampling, metadata, flat_draft_probs, generators)
+    return [row[: row.index(-1)] if -1 in row else row for row in output.tolist()]
+
+
+def flatten_draft_probs(
+    draft_probs: list[Tensor | None],  # [batch] [k_b, V]; None: one-hot drafts
+    metadata: SpecDecodeMetadata,
+) -> Tensor | None:  # [num_draft_tokens, V] float32; None when every draft is one-hot
+    """Stack the drafts' probs. A one-hot draft gets its one-hot row, which the math treats
+    exactly like a missing q: q(x) = 1, and the residual is p with x removed."""
+    m = metadata
+    dense = [b for b, q in enumerate(draft_probs) if q is not None and m.num_draft_tokens[b]]
+    if not dense:
+        return None
+    vocab_size = draft_probs[dense[0]].shape[-1]  # type: ignore[union-attr]
+    device = m.draft_token_ids.device
+    flat = torch.zeros(len(m.draft_token_ids), vocab_size, device=device)
+    one_hot = torch.ones(len(m.draft_token_ids), dtype=torch.bool)  # [num_draft_tokens]
+    for b in dense:
+        start = m.first_rows[b] - b
+        flat[start : start + m.num_draft_tokens[b]] = draft_probs[b]  # type: ignore[assignment]
+        one_hot[start : start + m.num_draft_tokens[b]] = False
+    rows = one_hot.nonzero().flatten().to(device)
+    flat[rows, m.draft_token_ids[rows]] = 1.0
+    return flat
+
+
+def rejection_sample(
+    target_logits: Tensor,  # [num_tokens, V] float32, penalties applied
+    sampling: SamplingTensors,  # num_tokens rows
+    metadata: SpecDecodeMetadata,
+    draft_probs: Tensor | None,  # [num_draft_tokens, V]; None: every draft is one-hot
+    generators: Sequence[torch.Generator | None],  # [batch]
+) -> tuple[Tensor, Tensor]:  # output token ids [batch, max_k + 1], num_accepted [batch]
+    """Accepted drafts, then a recovered token at the first rejection or a bonus token after all
+    k_b; the output rows are padded with -1."""
+    m = metadata
+    device = target_logits.device
+    target_argmax = target_logits.argmax(dim=-1)  # [num_tokens]
+    accepted = m.draft_token_ids == target_argmax[m.target_rows]  # [num_draft_tokens], greedy rule
+    sampled = [b for b in range(m.batch_size) if not sampling.is_greedy[m.first_rows[b]]]
+    target_probs = None
+    if sampled:
+        target_probs = probs_from_logits(target_logits, sampling)  # [num_tokens, V]
+        uniforms = _draft_uniforms(m, sampled, generators, device)  # [num_draft_tokens]
+        stochastic = _accept_sampled(target_probs, m, draft_probs, uniforms)
+        greedy_draft = sampling.greedy[m.target_rows]  # [num_draft_tokens]
+        accepted = torch.where(greedy_draft, accepted, stochastic)
+    num_accepted = _num_accepted(accepted, m)  # [batch]
+    first_rows = torch.tensor(m.first_rows, device=device)  # [batch]
+    final = target_argmax[first_rows + num_accepted]  # [batch]: greedy's recovered or bonus token
+    if target_probs is not None:
+        gens = [generators[b] for b in sampled]
+        recovered_or_bonus = _recover_or_bonus(
+            target_probs, m, draft_probs, num_accepted, sampled, gens
+        )
+        final[torch.tensor(sampled, device=device)] = recovered_or_bonus
+    return _output_token_ids(m, num_accepted, final), num_accepted
+
+
+def _draft_uniforms(
+    m: SpecDecodeMetadata,
+    sampled: list[int],  # requests that sample (not greedy)
+    generators: Sequence[torch.Generator | None],  # [batch]
+    device: torch.device,
+) -> Tensor:  # [num_draft_tokens] U[0, 1): unseeded requests share one draw
+    u = uniform((len(m.draft_token_ids),), None, device)
+    for b in sampled:
+        gen = generators[b]
+        if gen is not None:
+            start = m.first_rows[b] - b
+            u[start : start + m.num_draft_tokens[b]] = uniform(
+                (m.num_draft_tokens[b],), gen, device
+            )
+    return u
+
+
+def _accept_sampled(
+    target_probs: Tensor,  # [num_tokens, V]
+    m: SpecDecodeMetadata,
+    draft_probs: Tensor | None,  # [num_draft_tokens, V]
+    uniforms: Tensor,  # [num_draft_tokens]
+) -> Tensor:  # [num_draft_tokens] bool
+    p = target_probs[m.target_rows, m.draft_token_ids]  # [num_draft_tokens]
+    if draft_probs is None:
+        q = torch.ones_like(p)
+    else:
+        q = draft_probs[torch.arange(len(p), device=p.device), m.draft_token_ids]
+    # u < p/q without dividing: q == 0 < p accepts, p == 0 always rejects.
+    return uniforms * q < p
+
+
+def _num_accepted(
+    accepted: Tensor, m: SpecDecodeMetadata
+) -> Tensor:  # [num_draft_tokens] -> [batch]
+    """Drafts accepted before each request's first rejection."""
+    max_k = max(m.num_draft_tokens, default=0)
+    padded = torch.zeros(m.batch_size, max_k, dtype=torch.bool, device=accepted.device)
+    padded[m.draft_request, m.draft_position] = accepted  # [batch, max_k], False past k_b
+    return padded.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def _recover_or_bonus(
+    target_probs: Tensor,  # [num_tokens, V]
+    m: SpecDecodeMetadata,
+    draft_probs: Tensor | None,  # [num_draft_tokens, V]
+    num_accepted: Tensor,  # [batch]
+    sampled: list[int],  # the S requests that sample
+    generators: list[torch.Generator | None],  # [S]
+) -> Tensor:  # [S] token ids
+    """Draw from norm(max(0, p - q)) at the first rejection, from p after all k were accepted."""
+    device = target_probs.device
+    a = num_accepted[torch.tensor(sampled, device=device)]  # [S]
+    first_rows = torch.tensor([m.first_rows[b] for b in sampled], device=device)  # [S]
+    dist = target_probs[first_rows + a]  # [S, V] the bonus distribution where a == k
+    if len(m.draft_token_ids) > 0:
+        k = torch.tensor([m.num_draft_tokens[b] for b in sampled], device=device)  # [S]
+        first_drafts = first_rows - torch.tensor(sampled, device=device)  # [S]
+        rejected = first_drafts + torch.minimum(a, k - 1)  # [S], meaningless where a == k
+        dist = _residual_or_target(dist, m, draft_probs, rejected, a == k)
+    noise = exponential_noise(dist.shape, generators, device)  # [S, V]
+    return race(dist, noise)
+
+
+def _residual_or_target(
+    dist: Tensor,  # [S, V] target probs at the first rejection (or the bonus row)
+    m: SpecDecodeMetadata,
+    draft_probs: Tensor | None,  # [num_draft_tokens, V]
+    rejected_draft: Tensor,  # [S] index of the rejected draft (meaningless where all accepted)
+    all_accepted: Tensor,  # [S] bool
+) -> Tensor:  # [S, V] unnormalized: max(0, p - q) where rejected, p where all were accepted
+    pos = rejected_draft.clamp(0, len(m.draft_token_ids) - 1)
+    if draft_probs is None:
+        q = torch.zeros_like(dist).scatter_(1, m.draft_token_ids[pos][:, None], 1.0)
+    else:
+        q = draft_probs[pos]  # [S, V]
+    residual = (dist - q).clamp_min(0.0)  # [S, V]
+    # p == q leaves nothing to recover from (only reached by float error): fall back to p.
+    use_target = all_accepted | (residual.sum(dim=-1) <= 0.0)  # [S]
+    return torch.where(use_target[:, None], dist, residual)
+
+
+def _output_token_ids(
+    m: SpecDecodeMetadata,
+    num_accepted: Tensor,  # [batch]
+    final: Tensor,  # [batch] recovered or bonus token
+) -> Tensor:  # [batch, max_k + 1]: accepted drafts, the final token, then -1
+    max_k = max(m.num_draft_tokens, default=0)
+    out = torch.full((m.batch_size, max_k + 1), -1, dtype=torch.long, device=final.device)
+    out[m.draft_request, m.draft_position] = m.draft_token_ids
+    cols = torch.arange(max_k + 1, device=final.device)[None, :]  # [1, max_k + 1]
+    out = out.masked_fill(cols >= num_accepted[:, None], -1)
+    return out.scatter_(1, num_accepted[:, None], final[:, None])

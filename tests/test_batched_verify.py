@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from engine_utils import greedy, hf_greedy, hf_model, make_engine, random_prompts
 from scipy import stats
 from torch import Tensor
 
 from engine import sampler
+from engine.config import SpeculativeConfig
+from engine.outputs import TokenLogprob
 from engine.rejection_sampler import SpecDecodeMetadata, flatten_draft_probs, verify, verify_batch
 from engine.sampler import processed_probs, verification_histories, verification_penalty_pairs
 from engine.sampling_params import SamplingParams
@@ -195,3 +199,42 @@ def test_batched_emissions_follow_the_target_distribution() -> None:
         assert observed[~support].sum() == 0, pos  # nothing outside the top-k
         p_value = stats.chisquare(observed[support], expected[support]).pvalue
         assert p_value > 1e-4, (pos, p_value, observed, expected)
+
+
+def test_engine_logprobs_of_batched_speculative_runs(tiny_model_dir: Path) -> None:
+    """Self-draft (accepted runs of several tokens), three requests in one batch, different top-n,
+    one also echoing its prompt (so verify rows are not contiguous): each sampled logprob equals
+    transformers' log-softmax at its position."""
+    spec = SpeculativeConfig(
+        method="draft", num_speculative_tokens=3, adaptive=False, draft_model=str(tiny_model_dir)
+    )
+    engine = make_engine(tiny_model_dir, speculative=spec)
+    vocab = hf_model(tiny_model_dir).config.vocab_size
+    prompts = random_prompts(3, (5, 12), vocab, seed=71)
+    params = [greedy(8, logprobs=3), greedy(8, logprobs=1, prompt_logprobs=2), greedy(8)]
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    logprobs: dict[str, list[TokenLogprob]] = {f"r{i}": [] for i in range(3)}
+    num_accepted = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += out.new_logprobs or []
+            num_accepted += out.spec.num_accepted_tokens if out.finished else 0
+    assert num_accepted > 0
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        out_tokens, out_logprobs = tokens[f"r{i}"], logprobs[f"r{i}"]
+        assert out_tokens == hf_greedy(tiny_model_dir, prompt, 8)
+        if p.logprobs is None:
+            assert out_logprobs == []
+            continue
+        full = torch.tensor([prompt + out_tokens])
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(tiny_model_dir)(full).logits[0].float(), dim=-1)
+        assert len(out_logprobs) == len(out_tokens)
+        for j, entry in enumerate(out_logprobs):
+            row = ref[len(prompt) - 1 + j]
+            assert entry.token_id == out_tokens[j]
+            assert entry.logprob == pytest.approx(row[out_tokens[j]].item(), abs=1e-4)
+            assert [t for t, _ in entry.top] == row.topk(p.logprobs).indices.tolist()

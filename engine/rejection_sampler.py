@@ -169,6 +169,11 @@ class SpecDecodeMetadata:
         return len(self.draft_token_ids) + self.batch_size
 
 
+# On a CPU a pass over [rows, V] streams from memory once the rows outgrow the cache, and verify
+# makes a dozen such passes: there requests go in groups whose rows fit. A GPU takes one group.
+CPU_GROUP_BYTES = 8 << 20
+
+
 def verify_batch(
     target_logits: Tensor,  # [num_tokens, V] raw target logits: k_b + 1 verify rows per request
     draft_token_ids: list[list[int]],  # [batch] the k_b drafts of each request
@@ -177,14 +182,55 @@ def verify_batch(
     output_token_ids: list[list[int]],  # [batch] tokens so far; read only where penalties apply
     generators: Sequence[torch.Generator | None],  # [batch] a seeded request's own generator
 ) -> list[list[int]]:  # [batch] accepted drafts + one recovered or bonus token
-    """Verify a step's requests in one pass: penalties, sampling transforms, rejection sampling,
+    """Verify a step's requests together: penalties, sampling transforms, rejection sampling,
     then one copy to the host."""
+    num_rows = [len(d) + 1 for d in draft_token_ids]
+    if target_logits.shape[0] != sum(num_rows):
+        raise ValueError(
+            f"{target_logits.shape[0]} verify rows for {sum(num_rows)} (drafts + 1 per request)"
+        )
+    width = max(num_rows, default=1)
+    output = torch.full((len(num_rows), width), -1, dtype=torch.long, device=target_logits.device)
+    first_row = 0
+    for group in _groups(num_rows, target_logits):
+        group_rows = sum(num_rows[group])
+        tokens = _verify_group(
+            target_logits[first_row : first_row + group_rows],
+            draft_token_ids[group],
+            draft_probs[group],
+            params[group],
+            output_token_ids[group],
+            generators[group],
+        )
+        output[group, : tokens.shape[1]] = tokens
+        first_row += group_rows
+    return [row[: row.index(-1)] if -1 in row else row for row in output.tolist()]
+
+
+def _groups(num_rows: list[int], target_logits: Tensor) -> list[slice]:
+    """Consecutive requests whose verify rows fit CPU_GROUP_BYTES (all of them on a GPU)."""
+    if target_logits.device.type != "cpu":
+        return [slice(0, len(num_rows))]
+    budget = max(1, CPU_GROUP_BYTES // (4 * target_logits.shape[1]))  # rows of float32
+    groups, start, rows = [], 0, 0
+    for b, n in enumerate(num_rows):
+        if rows and rows + n > budget:
+            groups.append(slice(start, b))
+            start, rows = b, 0
+        rows += n
+    return [*groups, slice(start, len(num_rows))]
+
+
+def _verify_group(
+    target_logits: Tensor,  # [num_tokens, V] raw target logits of the group's verify rows
+    draft_token_ids: list[list[int]],  # [batch]
+    draft_probs: list[Tensor | None],  # [batch] [k_b, V]
+    params: list[SamplingParams],  # [batch]
+    output_token_ids: list[list[int]],  # [batch]
+    generators: Sequence[torch.Generator | None],  # [batch]
+) -> Tensor:  # [batch, max_k + 1] output token ids padded with -1
     device, vocab_size = target_logits.device, target_logits.shape[1]
     metadata = SpecDecodeMetadata.from_drafts(draft_token_ids, device)
-    if target_logits.shape[0] != metadata.num_tokens:
-        raise ValueError(
-            f"{target_logits.shape[0]} verify rows for {metadata.num_tokens} (drafts + 1 per request)"
-        )
     row_params = [
         p for p, k in zip(params, metadata.num_draft_tokens, strict=True) for _ in range(k + 1)
     ]
@@ -200,7 +246,7 @@ def verify_batch(
         logits = apply_penalties(logits, sampling, rows, ids)
     flat_draft_probs = flatten_draft_probs(draft_probs, metadata)
     output, _ = rejection_sample(logits, sampling, metadata, flat_draft_probs, generators)
-    return [row[: row.index(-1)] if -1 in row else row for row in output.tolist()]
+    return output
 
 
 def flatten_draft_probs(
@@ -210,20 +256,19 @@ def flatten_draft_probs(
     """Stack the drafts' probs. A one-hot draft gets its one-hot row, which the math treats
     exactly like a missing q: q(x) = 1, and the residual is p with x removed."""
     m = metadata
-    dense = [b for b, q in enumerate(draft_probs) if q is not None and m.num_draft_tokens[b]]
+    dense = [q for q, k in zip(draft_probs, m.num_draft_tokens, strict=True) if k and q is not None]
     if not dense:
         return None
-    vocab_size = draft_probs[dense[0]].shape[-1]  # type: ignore[union-attr]
-    device = m.draft_token_ids.device
-    flat = torch.zeros(len(m.draft_token_ids), vocab_size, device=device)
-    one_hot = torch.ones(len(m.draft_token_ids), dtype=torch.bool)  # [num_draft_tokens]
-    for b in dense:
-        start = m.first_rows[b] - b
-        flat[start : start + m.num_draft_tokens[b]] = draft_probs[b]  # type: ignore[assignment]
-        one_hot[start : start + m.num_draft_tokens[b]] = False
-    rows = one_hot.nonzero().flatten().to(device)
-    flat[rows, m.draft_token_ids[rows]] = 1.0
-    return flat
+    vocab_size, device = dense[0].shape[-1], m.draft_token_ids.device
+    rows = []
+    for b, (q, k) in enumerate(zip(draft_probs, m.num_draft_tokens, strict=True)):
+        if k and q is None:
+            start = m.first_rows[b] - b
+            ids = m.draft_token_ids[start : start + k, None]  # [k, 1]
+            q = torch.zeros(k, vocab_size, device=device).scatter_(1, ids, 1.0)
+        if k:
+            rows.append(q.to(device=device, dtype=torch.float32))
+    return torch.cat(rows)
 
 
 def rejection_sample(
@@ -235,21 +280,24 @@ def rejection_sample(
 ) -> tuple[Tensor, Tensor]:  # output token ids [batch, max_k + 1], num_accepted [batch]
     """Accepted drafts, then a recovered token at the first rejection or a bonus token after all
     k_b; the output rows are padded with -1."""
-    m = metadata
-    device = target_logits.device
-    target_argmax = target_logits.argmax(dim=-1)  # [num_tokens]
-    accepted = m.draft_token_ids == target_argmax[m.target_rows]  # [num_draft_tokens], greedy rule
+    m, device = metadata, target_logits.device
     sampled = [b for b in range(m.batch_size) if not sampling.is_greedy[m.first_rows[b]]]
+    target_argmax = None
+    if len(sampled) < m.batch_size:  # greedy requests accept while the draft is the argmax
+        target_argmax = target_logits.argmax(dim=-1)  # [num_tokens]
+        accepted = m.draft_token_ids == target_argmax[m.target_rows]  # [num_draft_tokens]
     target_probs = None
     if sampled:
         target_probs = probs_from_logits(target_logits, sampling)  # [num_tokens, V]
         uniforms = _draft_uniforms(m, sampled, generators, device)  # [num_draft_tokens]
         stochastic = _accept_sampled(target_probs, m, draft_probs, uniforms)
         greedy_draft = sampling.greedy[m.target_rows]  # [num_draft_tokens]
-        accepted = torch.where(greedy_draft, accepted, stochastic)
+        accepted = stochastic if target_argmax is None else accepted.where(greedy_draft, stochastic)
     num_accepted = _num_accepted(accepted, m)  # [batch]
-    first_rows = torch.tensor(m.first_rows, device=device)  # [batch]
-    final = target_argmax[first_rows + num_accepted]  # [batch]: greedy's recovered or bonus token
+    if target_argmax is None:
+        final = torch.empty(m.batch_size, dtype=torch.long, device=device)
+    else:  # greedy's recovered or bonus token: the argmax at the first mismatch or after k
+        final = target_argmax[torch.tensor(m.first_rows, device=device) + num_accepted]  # [batch]
     if target_probs is not None:
         gens = [generators[b] for b in sampled]
         recovered_or_bonus = _recover_or_bonus(

@@ -111,17 +111,18 @@ def probs_from_logits(
 def apply_penalties(
     logits: Tensor,  # [N, V]
     sampling: SamplingTensors,  # N rows
-    rows: Tensor,  # [M] long: the row of each counted token
-    token_ids: Tensor,  # [M] long: the token
+    rows: Tensor,  # [M] long, on the CPU: the row of each counted token
+    token_ids: Tensor,  # [M] long, on the CPU: the token
 ) -> Tensor:  # [N, V], a copy when anything changes
     """OpenAI semantics: logit[t] -= presence * (count[t] > 0) + frequency * count[t].
 
-    Touches only the (row, token) pairs that occur: no [N, V] count table."""
+    Touches only the (row, token) pairs that occur: no [N, V] count table. The pairs are counted
+    on the host, where they come from, so the device never waits on `unique`."""
     if rows.numel() == 0:
         return logits
     vocab_size = logits.shape[1]
-    keys = rows.to(logits.device) * vocab_size + token_ids.to(logits.device)  # [M]
-    keys, counts = keys.unique(return_counts=True)
+    keys, counts = (rows * vocab_size + token_ids).unique(return_counts=True)  # [M'] each
+    keys, counts = keys.to(logits.device), counts.to(logits.device)
     key_rows = keys // vocab_size  # [M']
     penalty = sampling.presence_penalty[key_rows] + sampling.frequency_penalty[key_rows] * counts
     logits = logits.clone(memory_format=torch.contiguous_format)

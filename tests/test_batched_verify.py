@@ -12,7 +12,7 @@ from engine_utils import greedy, hf_greedy, hf_model, make_engine, random_prompt
 from scipy import stats
 from torch import Tensor
 
-from engine import sampler
+from engine import rejection_sampler, sampler
 from engine.config import SpeculativeConfig
 from engine.outputs import TokenLogprob
 from engine.rejection_sampler import SpecDecodeMetadata, flatten_draft_probs, verify, verify_batch
@@ -81,14 +81,16 @@ def batched(requests: list[Request]) -> list[list[int]]:
     )
 
 
-@pytest.mark.parametrize("num_candidates", [8, 1024])
+@pytest.mark.parametrize(("num_candidates", "group_rows"), [(8, 3), (1024, 7), (1024, 10_000)])
 def test_batched_equals_per_request_reference(
-    num_candidates: int, monkeypatch: pytest.MonkeyPatch
+    num_candidates: int, group_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Random ragged batches: greedy and seeded requests give exactly the reference's tokens;
-    unseeded ones (which share draws) at least give a well-formed run."""
+    unseeded ones (which share draws) at least give a well-formed run. Few nucleus candidates
+    force the top-p fallback; small CPU groups split the batch (a request may exceed a group)."""
     monkeypatch.setattr(sampler, "NUCLEUS_CANDIDATES", num_candidates)
-    gen = torch.Generator().manual_seed(num_candidates)
+    monkeypatch.setattr(rejection_sampler, "CPU_GROUP_BYTES", group_rows * 4 * V)
+    gen = torch.Generator().manual_seed(num_candidates + group_rows)
     num_compared = num_accepted = 0
     for trial in range(60):
         size = int(torch.randint(1, 17, (), generator=gen))

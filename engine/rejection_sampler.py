@@ -185,6 +185,8 @@ def verify_batch(
     """Verify a step's requests together: penalties, sampling transforms, rejection sampling,
     then one copy to the host."""
     num_rows = [len(d) + 1 for d in draft_token_ids]
+    if not num_rows:
+        return []
     if target_logits.shape[0] != sum(num_rows):
         raise ValueError(
             f"{target_logits.shape[0]} verify rows for {sum(num_rows)} (drafts + 1 per request)"
@@ -340,8 +342,9 @@ def _accept_sampled(
 
 
 def _num_accepted(
-    accepted: Tensor, m: SpecDecodeMetadata
-) -> Tensor:  # [num_draft_tokens] -> [batch]
+    accepted: Tensor,  # [num_draft_tokens] bool
+    m: SpecDecodeMetadata,
+) -> Tensor:  # [batch]
     """Drafts accepted before each request's first rejection."""
     max_k = max(m.num_draft_tokens, default=0)
     padded = torch.zeros(m.batch_size, max_k, dtype=torch.bool, device=accepted.device)

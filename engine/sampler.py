@@ -85,7 +85,8 @@ def processed_probs(
     logits = logits.float()
     if sampling.do_penalties:
         rows, ids = _penalized_pairs(params, output_token_ids)
-        logits = apply_penalties(logits, sampling, torch.tensor(rows), torch.tensor(ids))
+        pairs = torch.tensor([rows, ids], dtype=torch.long)  # [2, M]
+        logits = apply_penalties(logits, sampling, pairs[0], pairs[1])
     return probs_from_logits(logits, sampling)
 
 

@@ -131,6 +131,7 @@ def test_all_greedy_batch_with_k_zero() -> None:
     got = verify_batch(logits, [[1, 0], [], [2]], [None] * 3, [greedy] * 3, [[]] * 3, [None] * 3)
     # rows 0-2: drafts 1, 0 accepted, bonus 2; row 3: no drafts -> 0; rows 4-5: 2 rejected -> 1
     assert got == [[1, 0, 2], [0], [1]]
+    assert verify_batch(logits[:0], [], [], [], [], []) == []
     with pytest.raises(ValueError, match="verify rows"):
         verify_batch(logits[:5], [[1, 0], [], [2]], [None] * 3, [greedy] * 3, [[]] * 3, [None] * 3)
 

@@ -164,6 +164,11 @@ class SpecDecodeMetadata:
     def batch_size(self) -> int:
         return len(self.num_draft_tokens)
 
+    def drafts_of(self, b: int) -> slice:
+        """Request b's entries in the [num_draft_tokens] tensors."""
+        start = self.first_rows[b] - b
+        return slice(start, start + self.num_draft_tokens[b])
+
     @property
     def num_tokens(self) -> int:
         return len(self.draft_token_ids) + self.batch_size
@@ -246,42 +251,22 @@ def _verify_group(
             [draft_token_ids[b] for b in penalized],
         )
         logits = apply_penalties(logits, sampling, rows, ids)
-    flat_draft_probs = flatten_draft_probs(draft_probs, metadata)
-    output, _ = rejection_sample(logits, sampling, metadata, flat_draft_probs, generators)
+    output, _ = rejection_sample(logits, sampling, metadata, draft_probs, generators)
     return output
-
-
-def flatten_draft_probs(
-    draft_probs: list[Tensor | None],  # [batch] [k_b, V]; None: one-hot drafts
-    metadata: SpecDecodeMetadata,
-) -> Tensor | None:  # [num_draft_tokens, V] float32; None when every draft is one-hot
-    """Stack the drafts' probs. A one-hot draft gets its one-hot row, which the math treats
-    exactly like a missing q: q(x) = 1, and the residual is p with x removed."""
-    m = metadata
-    dense = [q for q, k in zip(draft_probs, m.num_draft_tokens, strict=True) if k and q is not None]
-    if not dense:
-        return None
-    vocab_size, device = dense[0].shape[-1], m.draft_token_ids.device
-    rows = []
-    for b, (q, k) in enumerate(zip(draft_probs, m.num_draft_tokens, strict=True)):
-        if k and q is None:
-            start = m.first_rows[b] - b
-            ids = m.draft_token_ids[start : start + k, None]  # [k, 1]
-            q = torch.zeros(k, vocab_size, device=device).scatter_(1, ids, 1.0)
-        if k:
-            rows.append(q.to(device=device, dtype=torch.float32))
-    return torch.cat(rows)
 
 
 def rejection_sample(
     target_logits: Tensor,  # [num_tokens, V] float32, penalties applied
     sampling: SamplingTensors,  # num_tokens rows
     metadata: SpecDecodeMetadata,
-    draft_probs: Tensor | None,  # [num_draft_tokens, V]; None: every draft is one-hot
+    draft_probs: list[Tensor | None],  # [batch] [k_b, V]; None: one-hot drafts
     generators: Sequence[torch.Generator | None],  # [batch]
 ) -> tuple[Tensor, Tensor]:  # output token ids [batch, max_k + 1], num_accepted [batch]
     """Accepted drafts, then a recovered token at the first rejection or a bonus token after all
-    k_b; the output rows are padded with -1."""
+    k_b; the output rows are padded with -1.
+
+    The draft probs stay per request, as proposers hand them over: verification reads only q at
+    each draft and one row per request, so stacking all [num_draft_tokens, V] would be a copy."""
     m, device = metadata, target_logits.device
     sampled = [b for b in range(m.batch_size) if not sampling.is_greedy[m.first_rows[b]]]
     target_argmax = None
@@ -292,7 +277,8 @@ def rejection_sample(
     if sampled:
         target_probs = probs_from_logits(target_logits, sampling)  # [num_tokens, V]
         uniforms = _draft_uniforms(m, sampled, generators, device)  # [num_draft_tokens]
-        stochastic = _accept_sampled(target_probs, m, draft_probs, uniforms)
+        q = _draft_probs_at_drafts(draft_probs, m)  # [num_draft_tokens]
+        stochastic = _accept_sampled(target_probs, m, q, uniforms)
         greedy_draft = sampling.greedy[m.target_rows]  # [num_draft_tokens]
         accepted = stochastic if target_argmax is None else accepted.where(greedy_draft, stochastic)
     num_accepted = _num_accepted(accepted, m)  # [batch]
@@ -319,24 +305,29 @@ def _draft_uniforms(
     for b in sampled:
         gen = generators[b]
         if gen is not None:
-            start = m.first_rows[b] - b
-            u[start : start + m.num_draft_tokens[b]] = uniform(
-                (m.num_draft_tokens[b],), gen, device
-            )
+            u[m.drafts_of(b)] = uniform((m.num_draft_tokens[b],), gen, device)
     return u
+
+
+def _draft_probs_at_drafts(
+    draft_probs: list[Tensor | None],  # [batch] [k_b, V]; None: one-hot drafts
+    m: SpecDecodeMetadata,
+) -> Tensor:  # [num_draft_tokens] q(x_i): 1 for a one-hot draft
+    q = torch.ones(len(m.draft_token_ids), device=m.draft_token_ids.device)
+    for b, probs in enumerate(draft_probs):
+        if probs is not None and m.num_draft_tokens[b]:
+            ids = m.draft_token_ids[m.drafts_of(b), None]  # [k_b, 1]
+            q[m.drafts_of(b)] = probs.to(q.device).gather(1, ids).squeeze(1).float()
+    return q
 
 
 def _accept_sampled(
     target_probs: Tensor,  # [num_tokens, V]
     m: SpecDecodeMetadata,
-    draft_probs: Tensor | None,  # [num_draft_tokens, V]
+    q: Tensor,  # [num_draft_tokens] the draft's probability of each draft
     uniforms: Tensor,  # [num_draft_tokens]
 ) -> Tensor:  # [num_draft_tokens] bool
     p = target_probs[m.target_rows, m.draft_token_ids]  # [num_draft_tokens]
-    if draft_probs is None:
-        q = torch.ones_like(p)
-    else:
-        q = draft_probs[torch.arange(len(p), device=p.device), m.draft_token_ids]
     # u < p/q without dividing: q == 0 < p accepts, p == 0 always rejects.
     return uniforms * q < p
 
@@ -355,41 +346,44 @@ def _num_accepted(
 def _recover_or_bonus(
     target_probs: Tensor,  # [num_tokens, V]
     m: SpecDecodeMetadata,
-    draft_probs: Tensor | None,  # [num_draft_tokens, V]
+    draft_probs: list[Tensor | None],  # [batch] [k_b, V]; None: one-hot drafts
     num_accepted: Tensor,  # [batch]
     sampled: list[int],  # the S requests that sample
     generators: list[torch.Generator | None],  # [S]
 ) -> Tensor:  # [S] token ids
     """Draw from norm(max(0, p - q)) at the first rejection, from p after all k were accepted."""
     device = target_probs.device
-    a = num_accepted[torch.tensor(sampled, device=device)]  # [S]
-    first_rows = torch.tensor([m.first_rows[b] for b in sampled], device=device)  # [S]
-    dist = target_probs[first_rows + a]  # [S, V] the bonus distribution where a == k
+    index = torch.tensor(sampled, device=device)  # [S]
+    a = num_accepted[index]  # [S]
+    dist = target_probs[torch.tensor(m.first_rows, device=device)[index] + a]  # [S, V]
     if len(m.draft_token_ids) > 0:
         k = torch.tensor([m.num_draft_tokens[b] for b in sampled], device=device)  # [S]
-        first_drafts = first_rows - torch.tensor(sampled, device=device)  # [S]
-        rejected = first_drafts + torch.minimum(a, k - 1)  # [S], meaningless where a == k
-        dist = _residual_or_target(dist, m, draft_probs, rejected, a == k)
+        position = torch.minimum(a, k - 1).clamp_min(0)  # [S] the rejected draft, where a < k
+        q = _draft_rows(draft_probs, m, sampled, position, dist)  # [S, V]
+        residual = (dist - q).clamp_min(0.0)  # [S, V]
+        # p == q leaves nothing to recover from (only reached by float error): fall back to p.
+        use_target = (a == k) | (residual.sum(dim=-1) <= 0.0)  # [S]
+        dist = torch.where(use_target[:, None], dist, residual)
     noise = exponential_noise(dist.shape, generators, device)  # [S, V]
     return race(dist, noise)
 
 
-def _residual_or_target(
-    dist: Tensor,  # [S, V] target probs at the first rejection (or the bonus row)
+def _draft_rows(
+    draft_probs: list[Tensor | None],  # [batch] [k_b, V]; None: one-hot drafts
     m: SpecDecodeMetadata,
-    draft_probs: Tensor | None,  # [num_draft_tokens, V]
-    rejected_draft: Tensor,  # [S] index of the rejected draft (meaningless where all accepted)
-    all_accepted: Tensor,  # [S] bool
-) -> Tensor:  # [S, V] unnormalized: max(0, p - q) where rejected, p where all were accepted
-    pos = rejected_draft.clamp(0, len(m.draft_token_ids) - 1)
-    if draft_probs is None:
-        q = torch.zeros_like(dist).scatter_(1, m.draft_token_ids[pos][:, None], 1.0)
-    else:
-        q = draft_probs[pos]  # [S, V]
-    residual = (dist - q).clamp_min(0.0)  # [S, V]
-    # p == q leaves nothing to recover from (only reached by float error): fall back to p.
-    use_target = all_accepted | (residual.sum(dim=-1) <= 0.0)  # [S]
-    return torch.where(use_target[:, None], dist, residual)
+    sampled: list[int],  # [S]
+    position: Tensor,  # [S] a draft position within each request (0 where it has none)
+    dist: Tensor,  # [S, V] for shape and device
+) -> Tensor:  # [S, V] each request's q at that position: one-hot for n-gram drafts
+    """One-hot rows for all at once; a request with draft probs copies its one row."""
+    first_drafts = torch.tensor([m.first_rows[b] - b for b in sampled], device=dist.device)
+    drafted = m.draft_token_ids[(first_drafts + position).clamp(max=len(m.draft_token_ids) - 1)]
+    q = torch.zeros_like(dist).scatter_(1, drafted[:, None], 1.0)  # [S, V]
+    for s, b in enumerate(sampled):
+        probs = draft_probs[b]
+        if probs is not None and m.num_draft_tokens[b]:
+            q[s] = probs.to(dist.device).index_select(0, position[s : s + 1]).squeeze(0)
+    return q
 
 
 def _output_token_ids(

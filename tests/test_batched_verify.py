@@ -15,7 +15,7 @@ from torch import Tensor
 from engine import rejection_sampler, sampler
 from engine.config import SpeculativeConfig
 from engine.outputs import TokenLogprob
-from engine.rejection_sampler import SpecDecodeMetadata, flatten_draft_probs, verify, verify_batch
+from engine.rejection_sampler import SpecDecodeMetadata, verify, verify_batch
 from engine.sampler import processed_probs, verification_histories, verification_penalty_pairs
 from engine.sampling_params import SamplingParams
 
@@ -147,16 +147,20 @@ def test_penalty_pairs_equal_the_histories() -> None:
     assert sorted(zip(rows.tolist(), ids.tolist(), strict=True)) == sorted(expected)
 
 
-def test_flattened_draft_probs_mix_dense_and_one_hot() -> None:
+def test_metadata_layout() -> None:
+    """vLLM's layout: cumulative draft counts, and each draft scored by its request's row."""
     metadata = SpecDecodeMetadata.from_drafts([[1, 2], [], [0], [3]], torch.device("cpu"))
-    dense = torch.full((2, 4), 0.25)
-    flat = flatten_draft_probs([None, None, torch.full((1, 4), 0.5), dense[:1]], metadata)
-    assert flat is not None
-    expected = [[0, 1, 0, 0], [0, 0, 1, 0], [0.5] * 4, [0.25] * 4]
-    assert flat.tolist() == expected
     assert metadata.cu_num_draft_tokens.tolist() == [2, 2, 3, 4]
+    assert metadata.first_rows == [0, 3, 4, 6] and metadata.num_tokens == 8
     assert metadata.target_rows.tolist() == [0, 1, 4, 6]
-    assert flatten_draft_probs([None, None, None, None], metadata) is None
+    assert metadata.draft_request.tolist() == [0, 0, 2, 3]
+    assert metadata.draft_position.tolist() == [0, 1, 0, 0]
+    assert [metadata.drafts_of(b) for b in range(4)] == [
+        slice(0, 2),
+        slice(2, 2),
+        slice(2, 3),
+        slice(3, 4),
+    ]
 
 
 TRIALS = 80_000

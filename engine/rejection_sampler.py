@@ -199,7 +199,7 @@ def verify_batch(
     width = max(num_rows, default=1)
     output = torch.full((len(num_rows), width), -1, dtype=torch.long, device=target_logits.device)
     first_row = 0
-    for group in _groups(num_rows, target_logits):
+    for group in _groups(num_rows, target_logits, params):
         group_rows = sum(num_rows[group])
         tokens = _verify_group(
             target_logits[first_row : first_row + group_rows],
@@ -214,9 +214,12 @@ def verify_batch(
     return [row[: row.index(-1)] if -1 in row else row for row in output.tolist()]
 
 
-def _groups(num_rows: list[int], target_logits: Tensor) -> list[slice]:
-    """Consecutive requests whose verify rows fit CPU_GROUP_BYTES (all of them on a GPU)."""
-    if target_logits.device.type != "cpu":
+def _groups(
+    num_rows: list[int], target_logits: Tensor, params: list[SamplingParams]
+) -> list[slice]:
+    """Consecutive requests whose verify rows fit CPU_GROUP_BYTES; one group on a GPU, or when
+    all are greedy (a single argmax pass)."""
+    if target_logits.device.type != "cpu" or all(p.greedy for p in params):
         return [slice(0, len(num_rows))]
     budget = max(1, CPU_GROUP_BYTES // (4 * target_logits.shape[1]))  # rows of float32
     groups, start, rows = [], 0, 0

@@ -164,14 +164,14 @@ class SpecDecodeMetadata:
     def batch_size(self) -> int:
         return len(self.num_draft_tokens)
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.draft_token_ids) + self.batch_size
+
     def drafts_of(self, b: int) -> slice:
         """Request b's entries in the [num_draft_tokens] tensors."""
         start = self.first_rows[b] - b
         return slice(start, start + self.num_draft_tokens[b])
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.draft_token_ids) + self.batch_size
 
 
 # On a CPU a pass over [rows, V] streams from memory once the rows outgrow the cache, and verify
@@ -196,7 +196,7 @@ def verify_batch(
         raise ValueError(
             f"{target_logits.shape[0]} verify rows for {sum(num_rows)} (drafts + 1 per request)"
         )
-    width = max(num_rows, default=1)
+    width = max(num_rows)
     output = torch.full((len(num_rows), width), -1, dtype=torch.long, device=target_logits.device)
     first_row = 0
     for group in _groups(num_rows, target_logits, params):
@@ -272,6 +272,7 @@ def rejection_sample(
     each draft and one row per request, so stacking all [num_draft_tokens, V] would be a copy."""
     m, device = metadata, target_logits.device
     sampled = [b for b in range(m.batch_size) if not sampling.is_greedy[m.first_rows[b]]]
+    accepted = torch.zeros(len(m.draft_token_ids), dtype=torch.bool, device=device)
     target_argmax = None
     if len(sampled) < m.batch_size:  # greedy requests accept while the draft is the argmax
         target_argmax = target_logits.argmax(dim=-1)  # [num_tokens]

@@ -108,10 +108,11 @@ def test_batched_equals_per_request_reference(
 
 def test_seeded_request_ignores_the_rest_of_the_batch() -> None:
     gen = torch.Generator().manual_seed(7)
-    requests = [random_request(gen, i, seeded=False) for i in range(12)]
+    requests = [random_request(gen, i, seeded=i % 3 == 0) for i in range(12)]
     request = random_request(gen, 99, seeded=True)
     request.params = SamplingParams(temperature=1.1, top_p=0.9, frequency_penalty=0.2)
     alone = batched([request])[0]
+    assert alone == reference(request) and len(request.drafts) > 0
     assert batched([*requests[:5], request, *requests[5:]])[5] == alone
     assert batched([request, *requests])[0] == alone
 
@@ -127,13 +128,13 @@ def test_all_greedy_batch_with_k_zero() -> None:
             [0, 0, 1.0],
         ]
     )
-    greedy = SamplingParams(temperature=0.0)
-    got = verify_batch(logits, [[1, 0], [], [2]], [None] * 3, [greedy] * 3, [[]] * 3, [None] * 3)
+    params = [SamplingParams(temperature=0.0)] * 3
+    got = verify_batch(logits, [[1, 0], [], [2]], [None] * 3, params, [[]] * 3, [None] * 3)
     # rows 0-2: drafts 1, 0 accepted, bonus 2; row 3: no drafts -> 0; rows 4-5: 2 rejected -> 1
     assert got == [[1, 0, 2], [0], [1]]
     assert verify_batch(logits[:0], [], [], [], [], []) == []
     with pytest.raises(ValueError, match="verify rows"):
-        verify_batch(logits[:5], [[1, 0], [], [2]], [None] * 3, [greedy] * 3, [[]] * 3, [None] * 3)
+        verify_batch(logits[:5], [[1, 0], [], [2]], [None] * 3, params, [[]] * 3, [None] * 3)
 
 
 def test_penalty_pairs_equal_the_histories() -> None:

@@ -66,7 +66,9 @@ class BlockManager:
         hashes: list[int] = []
         parent: int | None = None
         for i in range(num_blocks):
-            parent = hash((parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])))
+            parent = hash(
+                (parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))
+            )
             hashes.append(parent)
         return hashes
 

@@ -50,9 +50,7 @@ class LLMEngine:
             if spec.enabled and spec.adaptive
             else None
         )
-        self.request_k = (
-            RequestKPolicy(spec.proposers) if spec.enabled and spec.adaptive else None
-        )
+        self.request_k = RequestKPolicy(spec.proposers) if spec.enabled and spec.adaptive else None
         self.proposer: Proposer = self._build_proposer()
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
@@ -159,9 +157,7 @@ class LLMEngine:
             self.request_k.cost.observe_plain(len(batch), seconds)
         elif len(drafted) == 1:  # a mixed hybrid step cannot tell the two proposers' costs apart
             per_source = dict.fromkeys(drafted, propose_seconds)
-            self.request_k.cost.observe_speculative(
-                len(batch), drafted, per_source, verify_seconds
-            )
+            self.request_k.cost.observe_speculative(len(batch), drafted, per_source, verify_seconds)
 
     def generate(
         self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
@@ -246,7 +242,7 @@ class LLMEngine:
             target_probs, proposal.token_ids, draft_probs, seq.params.greedy, seq.generator
         )
         num_accepted = len(tokens) - 1
-        seq.spec.add(k, num_accepted)
+        seq.spec.add(k, num_accepted, proposal.source)
         step_spec.add(k, num_accepted, proposal.source)
         logprobs = self._sample_logprobs(seq, target_logits[: len(tokens)], tokens)
         num_emitted, stop = self._append(seq, tokens, logprobs)

@@ -206,7 +206,9 @@ class Scheduler:
             return None
         self.blocks.acquire(cached)
         seq.block_table = list(cached)
-        seq.block_hashes = [] if not cached else self.blocks.chain_hashes(seq.token_ids, len(cached))
+        seq.block_hashes = (
+            [] if not cached else self.blocks.chain_hashes(seq.token_ids, len(cached))
+        )
         seq.num_draft_cached_blocks = seq.num_draft_computed_tokens // self.blocks.block_size
         self.blocks.grow(seq.block_table, self._positions(item))
         if seq.times.first_scheduled is None:

@@ -10,7 +10,8 @@ with a couple of drafts now and then (ever less often while it keeps losing), so
 text turns repetitive starts drafting again.
 
 A new request starts from the proposer's acceptance over all requests (the prior), so the first
-steps of a request are not spent learning what the last hundred requests already showed.
+steps of a request are not spent learning what the last hundred requests already showed; its own
+record outweighs the prior within a few steps.
 """
 
 from __future__ import annotations
@@ -31,37 +32,37 @@ PRIOR_COST = {"draft": 0.35, "ngram": 0.05}
 
 @dataclass
 class AcceptanceEstimate:
-    """Decayed counts per draft position: reached (drafted with every earlier draft accepted) and accepted."""
+    """Decayed counts per draft position: reached (drafted with every earlier draft accepted) and
+    accepted. Every observation decays all positions, so what a request did long ago fades."""
 
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
 
     def observe(self, num_drafted: int, num_accepted: int, decay: float = DECAY) -> None:
-        self._grow(num_drafted)
-        for j in range(min(num_drafted, num_accepted + 1)):  # positions the verify looked at
-            self.reached[j] = decay * self.reached[j] + 1.0
-            self.accepted[j] = decay * self.accepted[j] + float(j < num_accepted)
+        while len(self.reached) < num_drafted:
+            self.reached.append(0.0)
+            self.accepted.append(0.0)
+        for j in range(len(self.reached)):
+            looked = j < num_drafted and j <= num_accepted  # the verify looked at position j
+            self.reached[j] = decay * self.reached[j] + float(looked)
+            self.accepted[j] = decay * self.accepted[j] + float(looked and j < num_accepted)
 
-    def rates(self, k: int, prior: AcceptanceEstimate | None) -> list[float]:
-        """c_1..c_k, each blended with the prior's rate at that position."""
+    def rates(self, k: int, base: float) -> list[float]:
+        """c_1..c_k. Each position is shrunk toward the rate of the one before it (the first toward
+        `base`, the acceptance over all requests) with PRIOR_WEIGHT pseudo-observations, so a
+        position this request rarely reaches borrows from its neighbour."""
         out = []
         for j in range(k):
-            own_n, own_a = self._at(j)
-            prior_rate = prior.rate(j) if prior is not None else 0.5
-            out.append((own_a + PRIOR_WEIGHT * prior_rate) / (own_n + PRIOR_WEIGHT))
+            n, a = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0.0, 0.0)
+            base = (a + PRIOR_WEIGHT * base) / (n + PRIOR_WEIGHT)
+            out.append(base)
         return out
 
     def rate(self, j: int) -> float:
-        n, a = self._at(j)
-        return a / n if n > 0 else (self.rate(j - 1) if j > 0 else 0.5)
-
-    def _at(self, j: int) -> tuple[float, float]:
-        return (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0.0, 0.0)
-
-    def _grow(self, k: int) -> None:
-        while len(self.reached) < k:
-            self.reached.append(0.0)
-            self.accepted.append(0.0)
+        """The raw rate at one position (0.5 where never observed)."""
+        if j < len(self.reached) and self.reached[j] > 1e-6:
+            return self.accepted[j] / self.reached[j]
+        return 0.5
 
 
 @dataclass
@@ -79,8 +80,13 @@ class RequestSpecState:
 
     tracks: dict[str, ProposerTrack] = field(default_factory=dict)
 
-    def track(self, proposer: str) -> ProposerTrack:
-        return self.tracks.setdefault(proposer, ProposerTrack())
+    def track(
+        self, proposer: str, prior: AcceptanceEstimate | None = None, k: int = 0
+    ) -> ProposerTrack:
+        if proposer not in self.tracks:
+            seed = AcceptanceEstimate() if prior is None else AcceptanceEstimate.seeded(prior, k)
+            self.tracks[proposer] = ProposerTrack(seed)
+        return self.tracks[proposer]
 
 
 def expected_tokens(rates: list[float]) -> list[float]:
@@ -103,7 +109,9 @@ class DraftCost:
     """Measured cost of one draft position relative to one request's share of a plain step."""
 
     def __init__(self) -> None:
-        self.plain_step: dict[int, float] = {}  # batch-size bucket -> decayed seconds of a plain step
+        self.plain_step: dict[
+            int, float
+        ] = {}  # batch-size bucket -> decayed seconds of a plain step
         self.per_token: dict[str, float] = {}  # proposer -> decayed seconds per drafted token
         self.verify_per_token: float | None = None  # extra target seconds per draft token
 
@@ -140,13 +148,11 @@ def _decayed(table: dict[int, float] | dict[str, float], key: int | str, value: 
     table[key] = value if prev is None else 0.9 * prev + 0.1 * value
 
 
-def choose_request_k(
-    track: ProposerTrack, k_max: int, cost: float, prior: AcceptanceEstimate | None
-) -> int:
+def choose_request_k(track: ProposerTrack, k_max: int, cost: float, base: float) -> int:
     """This request's k with one proposer for this step, re-probing now and then while at 0."""
     if k_max <= 0:
         return 0
-    k = best_k(track.acceptance.rates(k_max, prior), cost)
+    k = best_k(track.acceptance.rates(k_max, base), cost)
     if k > 0:
         track.steps_at_zero, track.probe_every = 0, PROBE_EVERY
         return k
@@ -170,7 +176,10 @@ class RequestKPolicy:
         """proposer -> k for this request this step."""
         return {
             name: choose_request_k(
-                state.track(name), k_max, self.cost.relative(name, batch_size), self.priors[name]
+                state.track(name),
+                k_max,
+                self.cost.relative(name, batch_size),
+                self.priors[name].rate(0),
             )
             for name in self.proposers
         }

@@ -15,12 +15,13 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model
 from engine.model_runner import ForwardInput, ModelRunner
 from engine.outputs import RequestOutput, RequestTimes, SpecStats, StepStats, TokenLogprob
-from engine.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
+from engine.proposers import DraftModelProposer, HybridProposer, NgramProposer, Proposal, Proposer
 from engine.rejection_sampler import verify_batch
 from engine.sampler import logprobs_of
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+from engine.spec_k import RequestKPolicy
 from engine.spec_policy import SpeculationPolicy
 
 log = logging.getLogger("specserve.engine")
@@ -50,6 +51,7 @@ class LLMEngine:
             if spec.enabled and spec.adaptive
             else None
         )
+        self.request_k = RequestKPolicy(spec.proposers) if spec.enabled and spec.adaptive else None
         self.proposer: Proposer = self._build_proposer()
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
@@ -57,7 +59,9 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.policy)
+        self.scheduler = Scheduler(
+            config, self.block_manager, self.max_model_len, self.policy, self.request_k
+        )
         self.seqs: dict[str, Sequence] = {}
         self.last_stats: StepStats | None = None
         log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
@@ -120,19 +124,41 @@ class LLMEngine:
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         proposals = self.proposer.propose(batch.scheduled)
+        drafted = time.perf_counter()
         logits = self.target.forward(self._verify_inputs(batch.scheduled, proposals))
         stats = self._accept(batch.scheduled, proposals, logits)
         stats.num_preemptions = batch.num_preempted
-        self._observe(batch.scheduled, stats, time.perf_counter() - started)
+        finished = time.perf_counter()
+        self._observe(batch.scheduled, proposals, stats, drafted - started, finished - drafted)
         self.last_stats = stats
         return [self._output(item.seq) for item in batch.scheduled if self._has_news(item.seq)]
 
-    def _observe(self, batch: list[ScheduledSeq], stats: StepStats, seconds: float) -> None:
-        """Feed decode-only steps to the speculation policy (prompt chunks would swamp it)."""
-        if self.policy is None or not batch or any(item.num_new_tokens > 1 for item in batch):
+    def _observe(
+        self,
+        batch: list[ScheduledSeq],
+        proposals: list[Proposal],
+        stats: StepStats,
+        propose_seconds: float,
+        verify_seconds: float,
+    ) -> None:
+        """Feed decode-only steps to the speculation policies (prompt chunks would swamp them)."""
+        if not batch or any(item.num_new_tokens > 1 for item in batch):
             return
-        speculated = any(item.num_spec_tokens > 0 for item in batch)
-        self.policy.observe(len(batch), speculated, stats.num_generation_tokens, seconds)
+        drafted: dict[str, int] = {}
+        for proposal in proposals:
+            if proposal.token_ids:
+                drafted[proposal.source] = drafted.get(proposal.source, 0) + len(proposal.token_ids)
+        speculated = bool(drafted)
+        seconds = propose_seconds + verify_seconds
+        if self.policy is not None:
+            self.policy.observe(len(batch), speculated, stats.num_generation_tokens, seconds)
+        if self.request_k is None:
+            return
+        if not speculated:
+            self.request_k.cost.observe_plain(len(batch), seconds)
+        elif len(drafted) == 1:  # a mixed hybrid step cannot tell the two proposers' costs apart
+            per_source = dict.fromkeys(drafted, propose_seconds)
+            self.request_k.cost.observe_speculative(len(batch), drafted, per_source, verify_seconds)
 
     def generate(
         self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
@@ -189,6 +215,7 @@ class LLMEngine:
             prefix_cache_queries=queried,
             prefix_cache_hits=hit,
             num_preemptions=0,
+            spec_k_chosen=[item.num_spec_tokens for item in batch if item.reaches_end],
         )
 
     def _verify(
@@ -238,24 +265,26 @@ class LLMEngine:
         if seq.wants_prompt_logprobs:
             self._record_prompt_logprobs(seq, rows[: item.num_new_tokens])
         if not item.reaches_end:  # a prompt chunk: nothing to sample yet
-            seq.num_computed_tokens += item.num_new_tokens
-            self.scheduler.cache_blocks(seq, self.draft is not None)
+            self.scheduler.update_from_output(item, 0, proposal.num_draft_computed, proposal.source)
             return 0
         num_accepted = len(tokens) - 1
-        seq.spec.add(k, num_accepted)
-        step_spec.add(k, num_accepted)
-        # Roll back by not advancing: only the accepted drafts' K/V count as computed.
-        seq.num_computed_tokens += item.num_new_tokens + num_accepted
-        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
-        num_emitted = self._append(seq, tokens, logprobs)
-        if not seq.is_finished:
-            self.scheduler.cache_blocks(seq, self.draft is not None)
+        seq.spec.add(k, num_accepted, proposal.source)
+        step_spec.add(k, num_accepted, proposal.source)
+        num_emitted, stop = self._append(seq, tokens, logprobs)
+        self.scheduler.update_from_output(
+            item, num_accepted, proposal.num_draft_computed, proposal.source
+        )
+        if stop is not None:
+            self.scheduler.finish(seq, *stop)
         return num_emitted
 
     # ---- accepting tokens and stops --------------------------------------------------------
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> int:
-        """Append an accepted run token by token; a stop inside the run cuts it there."""
+    def _append(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None
+    ) -> tuple[int, tuple[str, int | str | None] | None]:
+        """Append an accepted run token by token; a stop inside the run cuts it there.
+        Returns the tokens appended and the stop (finish reason, stop reason) if one was hit."""
         now = time.monotonic()
         if seq.times.first_token is None:
             seq.times.first_token = now
@@ -266,9 +295,8 @@ class LLMEngine:
                 seq.pending_logprobs.append(logprobs[i])
             stop = self._stop(seq, token)
             if stop is not None:
-                self.scheduler.finish(seq, *stop)
-                return i + 1
-        return len(tokens)
+                return i + 1, stop
+        return len(tokens), None
 
     def _stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
         params = seq.params
@@ -374,16 +402,17 @@ class LLMEngine:
         spec = self.config.speculative
         if spec.method == "ngram":
             return NgramProposer(spec)
-        if spec.method == "draft":
-            assert spec.draft_model is not None
-            log.info("loading draft model %s", spec.draft_model)
-            loaded = load_model(spec.draft_model)
-            check_same_vocab(self.tokenizer, loaded.tokenizer)
-            self.draft = ModelRunner(
-                loaded, self.config.device, self.config.dtype, self.config.block_size
-            )
-            return DraftModelProposer(self.draft, spec.draft_p_min)
-        return NoProposer()
+        if spec.method not in ("draft", "hybrid"):
+            return NoProposer()
+        assert spec.draft_model is not None
+        log.info("loading draft model %s", spec.draft_model)
+        loaded = load_model(spec.draft_model)
+        check_same_vocab(self.tokenizer, loaded.tokenizer)
+        self.draft = ModelRunner(
+            loaded, self.config.device, self.config.dtype, self.config.block_size
+        )
+        draft = DraftModelProposer(self.draft, spec.draft_p_min)
+        return draft if spec.method == "draft" else HybridProposer(NgramProposer(spec), draft)
 
     def _runners(self) -> list[ModelRunner]:
         return [self.target] if self.draft is None else [self.target, self.draft]

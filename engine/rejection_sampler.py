@@ -379,14 +379,21 @@ def _draft_rows(
     position: Tensor,  # [S] a draft position within each request (0 where it has none)
     dist: Tensor,  # [S, V] for shape and device
 ) -> Tensor:  # [S, V] each request's q at that position: one-hot for n-gram drafts
-    """One-hot rows for all at once; a request with draft probs copies its one row."""
-    first_drafts = torch.tensor([m.first_rows[b] - b for b in sampled], device=dist.device)
-    drafted = m.draft_token_ids[(first_drafts + position).clamp(max=len(m.draft_token_ids) - 1)]
-    q = torch.zeros_like(dist).scatter_(1, drafted[:, None], 1.0)  # [S, V]
+    """Each row written once: a request with draft probs copies its row, the rest are one-hot."""
+    q = torch.empty_like(dist)
+    one_hot = []
     for s, b in enumerate(sampled):
         probs = draft_probs[b]
         if probs is not None and m.num_draft_tokens[b]:
-            q[s] = probs.to(dist.device).index_select(0, position[s : s + 1]).squeeze(0)
+            torch.index_select(probs.to(q), 0, position[s : s + 1], out=q[s : s + 1])
+        else:
+            one_hot.append(s)
+    if one_hot:
+        rows = torch.tensor(one_hot, device=q.device)  # [H]
+        first_drafts = torch.tensor([m.first_rows[sampled[s]] - sampled[s] for s in one_hot])
+        drafted = (first_drafts.to(q.device) + position[rows]).clamp(max=len(m.draft_token_ids) - 1)
+        q[rows] = 0.0
+        q[rows, m.draft_token_ids[drafted]] = 1.0
     return q
 
 

@@ -84,6 +84,9 @@ def start_router(replicas: list[Proc], policy: str, work: Path) -> Proc:
         router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
         "--worker-urls", *(r.url for r in replicas),
         "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port()),
+        # A stopped replica's circuit opens after 3 failures, so a retry cannot land on it
+        # 5 times in a row (the default opens after 10, more than the 5 retries).
+        "--cb-failure-threshold", "3",
         "--log-level", "warning",
     ]  # fmt: skip
     return start(cmd, port, work / f"router-{policy}.log")

@@ -7,6 +7,10 @@ from typing import Literal
 
 SpecMethod = Literal["none", "draft", "ngram"]
 Dtype = Literal["float32", "bfloat16", "float16"]
+# auto: a GGUF's quantized tensors stay quantized (int4 for Q4_K, int8 for the others), float
+# checkpoints stay float; none: everything dequantized to `dtype`; int8 / int4: float
+# checkpoints rounded to nearest at load (GGUF files behave as with auto).
+Quantization = Literal["auto", "none", "int8", "int4"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model's own
     device: str = "cpu"
     dtype: Dtype = "bfloat16"
+    quantization: Quantization = "auto"  # target and draft alike
     block_size: int = 16
     kv_cache_gib: float = 2.0  # KV pool size on CPU (target and draft together)
     num_kv_blocks: int | None = None  # exact pool size in blocks; overrides the memory budget
@@ -67,3 +72,7 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(
+                f"quantization must be auto, none, int8 or int4, not {self.quantization!r}"
+            )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,9 @@ from engine.attention import AttentionMetadata, RequestSpan
 from engine.loader import LoadedModel
 from engine.models import build_decoder
 from engine.models.decoder import DecoderModel, KVCache
+from engine.quant.model import WeightSummary, quantize_mode, summarize, swap_in_quantized
+
+log = logging.getLogger("specserve.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,6 +40,14 @@ class ModelRunner:
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
         self.model = _build_model(loaded, self.device, self.dtype)
+        self.weights: WeightSummary = summarize(self.model)
+        log.info(
+            "%s runs as %s (%s): %.2f GiB of weights",
+            loaded.name,
+            self.weights.label,
+            dtype,
+            self.weights.weight_bytes / (1 << 30),
+        )
         self.kv_caches: list[KVCache] = []
 
     @property
@@ -131,6 +143,9 @@ def _flatten(
 def _build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> DecoderModel:
     with torch.device("meta"):
         model = build_decoder(loaded.architecture, loaded.hf_config)
+    mode = quantize_mode(loaded.quantization, from_gguf=loaded.gguf_file is not None)
+    if mode is not None:
+        swap_in_quantized(model, mode, dtype, device)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(loaded.iter_weights())
     model.init_rotary(loaded.hf_config, device)

@@ -1,0 +1,143 @@
+"""Read a GGUF file's tensors raw, as quantized weights, under transformers' parameter names.
+
+Q4_K becomes an `Int4Weight` of group size 32 without a float round trip: a Q4_K super-block
+holds 8 sub-blocks of 32 values, w = d * sc * q - dmin * m, which is (q - 8) * scale + zero
+with scale = d * sc and zero = 8 * d * sc - dmin * m. Other quantized types (Q5_0, Q5_K, Q6_K,
+Q8_0, ...) are dequantized by `gguf` and rounded to int8 per output row. Float tensors (norms,
+biases) come back as float32 tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig
+
+from engine.quant.formats import Int4Weight, QuantizedWeight, quantize_int8
+
+_Q4_K_BLOCK = 144  # bytes per 256 values: d (f16), dmin (f16), 12 bytes of scales, 128 of q
+_HF_SUFFIXES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
+)
+# GGUF architectures whose q/k rows llama.cpp's converter permuted (transformers undoes it).
+_PERMUTED_ARCHS = ("llama",)
+
+GgufTensor = torch.Tensor | QuantizedWeight
+
+
+def read_gguf_weights(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, GgufTensor]]:
+    """(transformers name, tensor or quantized weight) for every tensor of the file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _architecture(reader)
+    names = _hf_names(arch, int(config.num_hidden_layers))
+    for tensor in reader.tensors:
+        base, _, suffix = tensor.name.rpartition(".")
+        if base not in names:
+            raise ValueError(f"{path.name}: tensor {tensor.name!r} has no transformers name")
+        hf_name = f"{names[base]}.{suffix}"
+        value = _convert(tensor)
+        if arch in _PERMUTED_ARCHS and base.endswith(("attn_q", "attn_k")):
+            value = _unpermute(value, _permute_heads(base, config))
+        yield hf_name, value
+
+
+def quantized_types(path: Path) -> dict[str, int]:
+    """GGUF type name -> number of tensors of that type (for logs)."""
+    import gguf
+
+    counts: dict[str, int] = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return counts
+
+
+def _architecture(reader: object) -> str:
+    field = reader.fields["general.architecture"]  # type: ignore[attr-defined]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
+    """GGUF base name ("blk.0.attn_q") -> transformers base name, from gguf's own name map."""
+    import gguf
+
+    arch_of_name = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
+    table = gguf.get_tensor_name_map(arch_of_name[arch], num_layers)
+    hf = ["model.embed_tokens", "model.norm", "lm_head"]
+    hf += [f"model.layers.{i}.{s}" for i in range(num_layers) for s in _HF_SUFFIXES]
+    out = {}
+    for name in hf:
+        gguf_name = table.get_name(name)
+        if gguf_name is not None:
+            out[gguf_name] = name
+    return out
+
+
+def _convert(tensor: object) -> GgufTensor:
+    import gguf
+
+    kind = tensor.tensor_type  # type: ignore[attr-defined]
+    data = tensor.data  # type: ignore[attr-defined]
+    if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return torch.from_numpy(np.array(data, dtype=np.float32))
+    if kind == gguf.GGMLQuantizationType.BF16:
+        return torch.from_numpy(gguf.quants.dequantize(data, kind).copy())
+    if kind == gguf.GGMLQuantizationType.Q4_K:
+        return q4_k_to_int4(torch.from_numpy(np.array(data)))
+    dense = torch.from_numpy(gguf.quants.dequantize(data, kind).copy())  # [N, K] float32
+    return quantize_int8(dense, source=kind.name)
+
+
+def q4_k_to_int4(raw: torch.Tensor) -> Int4Weight:
+    """[N, K / 256 * 144] uint8 Q4_K rows -> the same values as int4 group 32."""
+    n = raw.shape[0]
+    blocks = raw.reshape(-1, _Q4_K_BLOCK)  # [B, 144], B = N * K / 256
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [B, 1]
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    sc, m = _q4_k_scale_min(blocks[:, 4:16])  # [B, 8] each, 6-bit integers
+    scale = d * sc  # exact in float32: an f16 times a 6-bit integer
+    zero = 8 * scale - dmin * m
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # sub-blocks 2j (low nibbles), 2j+1 (high)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, -1)
+    return Int4Weight(
+        q,
+        scale.reshape(n, -1).to(torch.bfloat16),
+        zero.reshape(n, -1).to(torch.bfloat16),
+        32,
+        "Q4_K",
+    )
+
+
+def _q4_k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 bytes -> 8 six-bit scales and 8 six-bit mins (llama.cpp's get_scale_min_k4)."""
+    p = packed.reshape(-1, 3, 4)
+    d, m, m_d = p[:, 0], p[:, 1], p[:, 2]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def _permute_heads(base: str, config: PretrainedConfig) -> int:
+    heads = int(config.num_attention_heads)
+    return int(getattr(config, "num_key_value_heads", None) or heads) if "attn_k" in base else heads
+
+
+def _unpermute(value: GgufTensor, n_head: int) -> GgufTensor:
+    """Undo llama.cpp's q/k row permutation (transformers' LlamaTensorProcessor)."""
+    rows = value.shape[0]
+    perm = torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
+    return value[perm] if isinstance(value, torch.Tensor) else value.rows(perm)

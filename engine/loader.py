@@ -74,35 +74,24 @@ def _log(msg: str) -> None:
 
 def load_model(spec: str, quantization: Quantization = "none") -> LoadedModel:
     """Resolve `spec` to a local folder and read config and tokenizer (weights stay lazy)."""
-    path = _local_path(spec)
-    if _is_gguf(path) and quantization != "none":
-        loaded = _load_folder(spec, gguf_metadata(path))
-        return replace(loaded, quantization=quantization, gguf_file=path)
-    folder = _resolve(spec)
-    return replace(_load_folder(spec, folder), quantization=quantization)
-
-
-def _local_path(spec: str) -> Path:
     if spec.startswith("bundled:"):
         from engine import bundled
 
-        return Path(bundled.resolve(spec.removeprefix("bundled:")))
-    return Path(spec).expanduser()
+        path = Path(bundled.resolve(spec.removeprefix("bundled:")))
+    else:
+        path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf" and quantization != "none":
+        loaded = _load_folder(spec, gguf_metadata(path))
+        return replace(loaded, quantization=quantization, gguf_file=path)
+    return replace(_load_folder(spec, _resolve(spec, path)), quantization=quantization)
 
 
-def _is_gguf(path: Path) -> bool:
-    return path.is_file() and path.suffix == ".gguf"
-
-
-def _resolve(spec: str) -> Path:
-    if spec.startswith("bundled:"):
-        return _resolve(str(_local_path(spec)))
-    path = Path(spec).expanduser()
-    if _is_gguf(path):
+def _resolve(spec: str, path: Path) -> Path:
+    if path.is_file() and path.suffix == ".gguf":
         return converted_gguf(path)
     if path.is_dir():
         return path
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+    if path.exists() or spec.startswith((".", "/", "~", "bundled:")) or spec.count("/") != 1:
         raise FileNotFoundError(f"model {spec!r}: not a model folder, .gguf file or hub id")
     return _from_hub(spec)
 

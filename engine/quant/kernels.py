@@ -66,10 +66,7 @@ class Int4CpuKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, self.group_size, self.scale_zero
-        )
-        return y
+        return _int4_cpu_mm(x, self.packed, self.group_size, self.scale_zero)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed, self.scale_zero]
@@ -112,6 +109,15 @@ class Int8Kernel:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.q, self.scale]
+
+
+def _int4_cpu_mm(
+    x: torch.Tensor,  # [M, K] bf16, contiguous
+    packed: torch.Tensor,  # the ISA's packed layout of [N, K] 4-bit values
+    group_size: int,
+    scale_zero: torch.Tensor,  # [K / group_size, N, 2] bf16
+) -> torch.Tensor:  # [M, N] bf16
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero)
 
 
 def _scale_zero(weight: Int4Weight) -> torch.Tensor:  # [K / group, N, 2] bf16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
@@ -149,7 +150,17 @@ def _build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) 
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(loaded.iter_weights())
     model.init_rotary(loaded.hf_config, device)
+    _return_freed_memory()
     return model.eval()
+
+
+def _return_freed_memory() -> None:
+    """Loading frees gigabytes of transient tensors (raw blocks, unpacked values) that glibc
+    would otherwise keep in the process: hand them back so resident memory is the model's."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
 
 
 def _turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:

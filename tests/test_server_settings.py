@@ -111,7 +111,12 @@ def _value_for(name: str) -> list[str]:
     field = Settings.model_fields[name]
     if field.annotation is bool:
         return []
-    choices = {"speculative_method": "ngram", "dtype": "float32", "log_level": "info"}
+    choices = {
+        "speculative_method": "ngram",
+        "dtype": "float32",
+        "log_level": "info",
+        "quantization": "int4",
+    }
     return [choices.get(name, "1")]
 
 

@@ -38,8 +38,11 @@ _PERMUTED_ARCHS = ("llama",)
 GgufTensor = torch.Tensor | QuantizedWeight
 
 
-def read_gguf_weights(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, GgufTensor]]:
-    """(transformers name, tensor or quantized weight) for every tensor of the file."""
+def read_gguf_weights(
+    path: Path, config: PretrainedConfig, exact: bool = False
+) -> Iterator[tuple[str, GgufTensor]]:
+    """(transformers name, tensor or quantized weight) for every tensor of the file; with
+    `exact`, every tensor dequantized to float32 by gguf's own reference (quality baselines)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -50,7 +53,7 @@ def read_gguf_weights(path: Path, config: PretrainedConfig) -> Iterator[tuple[st
         if base not in names:
             raise ValueError(f"{path.name}: tensor {tensor.name!r} has no transformers name")
         hf_name = f"{names[base]}.{suffix}"
-        value = _convert(tensor)
+        value = _dequantized(tensor) if exact else _convert(tensor)
         if arch in _PERMUTED_ARCHS and base.endswith(("attn_q", "attn_k")):
             value = _unpermute(value, _permute_heads(base, config))
         yield hf_name, value
@@ -98,8 +101,19 @@ def _convert(tensor: object) -> GgufTensor:
         return torch.from_numpy(gguf.quants.dequantize(data, kind).copy())
     if kind == gguf.GGMLQuantizationType.Q4_K:
         return q4_k_to_int4(torch.from_numpy(np.array(data)))
-    dense = torch.from_numpy(gguf.quants.dequantize(data, kind).copy())  # [N, K] float32
+    raw = torch.from_numpy(np.array(data))
+    if kind.name in _DEQUANTIZE:
+        dense = _DEQUANTIZE[kind.name](raw)
+    else:  # gguf's numpy reference: right for every type, slow on big tensors
+        dense = torch.from_numpy(gguf.quants.dequantize(data, kind).copy())  # [N, K] float32
     return quantize_int8(dense, source=kind.name)
+
+
+def _dequantized(tensor: object) -> torch.Tensor:
+    import gguf
+
+    data, kind = tensor.data, tensor.tensor_type  # type: ignore[attr-defined]
+    return torch.from_numpy(np.array(gguf.quants.dequantize(data, kind), dtype=np.float32))
 
 
 def q4_k_to_int4(raw: torch.Tensor) -> Int4Weight:
@@ -141,3 +155,48 @@ def _unpermute(value: GgufTensor, n_head: int) -> GgufTensor:
     rows = value.shape[0]
     perm = torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
     return value[perm] if isinstance(value, torch.Tensor) else value.rows(perm)
+
+
+# Torch ports of gguf.quants' dequantizers for the types the bundled models use beside Q4_K
+# (the numpy reference takes ~30 ns a value; these are checked against it in the tests).
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:  # [B, 2] uint8 -> [B, 1] float32
+    return raw.contiguous().view(torch.float16).float()
+
+
+def dequantize_q6_k(raw: torch.Tensor) -> torch.Tensor:  # [N, K / 256 * 210] -> [N, K]
+    n = raw.shape[0]
+    b = raw.reshape(-1, 210)
+    ql, qh = b[:, :128], b[:, 128:192]
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()  # [B, 16]
+    d = _f16(b[:, 208:210]) * scales  # [B, 16]
+    low = ql.reshape(-1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+    low = (low & 0x0F).reshape(-1, 8, 32)
+    high = qh.reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(
+        1, 1, 4, 1
+    )
+    high = (high & 0x03).reshape(-1, 8, 32)
+    q = (low | (high << 4)).to(torch.int16) - 32  # [B, 8, 32] in -32..31
+    return (d.view(-1, 16, 1) * q.view(-1, 16, 16).float()).reshape(n, -1)
+
+
+def dequantize_q5_0(raw: torch.Tensor) -> torch.Tensor:  # [N, K / 32 * 22] -> [N, K]
+    n = raw.shape[0]
+    b = raw.reshape(-1, 22)
+    d = _f16(b[:, 0:2])
+    qh = b[:, 2:6].contiguous().view(torch.int32)  # [B, 1] bit i: the 5th bit of value i
+    high = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [B, 32]
+    qs = b[:, 6:22]
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int32)  # [B, 32]
+    q = (low | (high << 4)) - 16
+    return (d * q.float()).reshape(n, -1)
+
+
+def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:  # [N, K / 32 * 34] -> [N, K]
+    n = raw.shape[0]
+    b = raw.reshape(-1, 34)
+    return (_f16(b[:, 0:2]) * b[:, 2:].contiguous().view(torch.int8).float()).reshape(n, -1)
+
+
+_DEQUANTIZE = {"Q6_K": dequantize_q6_k, "Q5_0": dequantize_q5_0, "Q8_0": dequantize_q8_0}

@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"{args.model}: not a GGUF file; the reference is its float32 dequantization"
         )
-    prompts = load_category("code", 200, {}) + load_category("chat", 200, {})
+    code, chat = load_category("code", 200, {}), load_category("chat", 200, {})
+    prompts = [p for pair in zip(code, chat, strict=False) for p in pair]  # alternate the two
     seqs = token_ids(prompts, quantized, args.positions)
     print(f"{len(seqs)} prompts, {sum(len(s) - 1 for s in seqs)} positions", file=sys.stderr)
     exact = _ExactGguf(**{**quantized.__dict__, "quantization": "none"})

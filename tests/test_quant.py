@@ -19,7 +19,7 @@ from engine.loader import load_model
 from engine.model_runner import ForwardInput, ModelRunner
 from engine.quant import kernels
 from engine.quant.formats import Int4Weight, Int8Weight, quantize_int4, quantize_int8
-from engine.quant.gguf_weights import q4_k_to_int4
+from engine.quant.gguf_weights import _DEQUANTIZE, q4_k_to_int4
 from engine.quant.kernels import DenseKernel, make_kernel
 
 CPU = torch.device("cpu")
@@ -91,6 +91,22 @@ def test_q4_k_maps_to_int4_exactly_up_to_bf16_scale_and_zero() -> None:
     bound = (q.abs() * ours.scale.float()[..., None] + ours.zero.float().abs()[..., None]) * 2**-8
     assert ((ours.dequantize().view(32, 16, 32) - ref.view(32, 16, 32)).abs() <= bound).all()
     assert _rel(ours.dequantize(), ref) < 5e-3
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_0", "Q8_0"])
+def test_torch_dequantizers_equal_gguf_reference(kind: str) -> None:
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind == "Q6_K":  # gguf cannot quantize to it: random blocks, a sane f16 scale at the end
+        raw = np.random.default_rng(4).integers(0, 256, size=(8, 2 * 210), dtype=np.uint8)
+        blocks = raw.reshape(-1, 210)
+        blocks[:, 208:210] = np.full((len(blocks), 1), 1e-3, np.float16).view(np.uint8)
+    else:
+        raw = gguf.quants.quantize(np.random.default_rng(4).normal(size=(8, 512)), qtype)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    got = _DEQUANTIZE[kind](torch.from_numpy(raw))
+    assert torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")

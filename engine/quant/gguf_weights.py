@@ -17,6 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.quant.formats import Int4Weight, QuantizedWeight, quantize_int8
+from engine.quant.gguf_file import GgufTensorInfo, read_gguf
 
 _Q4_K_BLOCK = 144  # bytes per 256 values: d (f16), dmin (f16), 12 bytes of scales, 128 of q
 _HF_SUFFIXES = (
@@ -43,12 +44,9 @@ def read_gguf_weights(
 ) -> Iterator[tuple[str, GgufTensor]]:
     """(transformers name, tensor or quantized weight) for every tensor of the file; with
     `exact`, every tensor dequantized to float32 by gguf's own reference (quality baselines)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = _architecture(reader)
+    arch, tensors = read_gguf(path)
     names = _hf_names(arch, int(config.num_hidden_layers))
-    for tensor in reader.tensors:
+    for tensor in tensors:
         base, _, suffix = tensor.name.rpartition(".")
         if base not in names:
             raise ValueError(f"{path.name}: tensor {tensor.name!r} has no transformers name")
@@ -57,21 +55,6 @@ def read_gguf_weights(
         if arch in _PERMUTED_ARCHS and base.endswith(("attn_q", "attn_k")):
             value = _unpermute(value, _permute_heads(base, config))
         yield hf_name, value
-
-
-def quantized_types(path: Path) -> dict[str, int]:
-    """GGUF type name -> number of tensors of that type (for logs)."""
-    import gguf
-
-    counts: dict[str, int] = {}
-    for tensor in gguf.GGUFReader(str(path)).tensors:
-        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
-    return counts
-
-
-def _architecture(reader: object) -> str:
-    field = reader.fields["general.architecture"]  # type: ignore[attr-defined]
-    return bytes(field.parts[field.data[0]]).decode()
 
 
 def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
@@ -90,11 +73,10 @@ def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
     return out
 
 
-def _convert(tensor: object) -> GgufTensor:
+def _convert(tensor: GgufTensorInfo) -> GgufTensor:
     import gguf
 
-    kind = tensor.tensor_type  # type: ignore[attr-defined]
-    data = tensor.data  # type: ignore[attr-defined]
+    kind, data = tensor.tensor_type, tensor.data
     if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
         return torch.from_numpy(np.array(data, dtype=np.float32))
     if kind == gguf.GGMLQuantizationType.BF16:
@@ -109,10 +91,10 @@ def _convert(tensor: object) -> GgufTensor:
     return quantize_int8(dense, source=kind.name)
 
 
-def _dequantized(tensor: object) -> torch.Tensor:
+def _dequantized(tensor: GgufTensorInfo) -> torch.Tensor:
     import gguf
 
-    data, kind = tensor.data, tensor.tensor_type  # type: ignore[attr-defined]
+    data, kind = tensor.data, tensor.tensor_type
     return torch.from_numpy(np.array(gguf.quants.dequantize(data, kind), dtype=np.float32))
 
 

@@ -62,6 +62,27 @@ def test_kernel_matches_dequantized_reference(fmt: str, rows: int) -> None:
     assert _rel(kernel(x), want) < 1e-2  # bf16 activations and output only
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_cuda_kernel_matches_dequantized_reference(fmt: str) -> None:
+    cuda = torch.device("cuda")
+    q = _quantize(fmt, _weight(n=128, k=1024))
+    kernel = make_kernel(q, torch.bfloat16, cuda)
+    x = torch.randn(5, 1024, device=cuda).to(torch.bfloat16)
+    want = F.linear(x.float(), q.dequantize().to(cuda))
+    assert not isinstance(kernel, DenseKernel)
+    assert _rel(kernel(x), want) < 1e-2
+
+
+def test_quantization_setting_reaches_the_engine_config() -> None:
+    from server.settings import Settings
+
+    assert Settings.load(model="m").engine_config().quantization == "auto"
+    assert Settings.load(model="m", quantization="int4").engine_config().quantization == "int4"
+    with pytest.raises(ValueError, match="quantization"):
+        Settings.load(model="m", quantization="int3")
+
+
 def test_float32_activations_use_the_dequantized_reference() -> None:
     q = quantize_int4(_weight(), 32)
     kernel = make_kernel(q, torch.float32, CPU)

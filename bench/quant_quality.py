@@ -10,6 +10,7 @@ Aims (issue 9): top-1 agreement >= 98%, perplexity within 1% of the float32 refe
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import sys
 import time
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.datasets import Prompt, load_category
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, cache_root, load_model
 from engine.model_runner import ForwardInput, ModelRunner
 
 
@@ -75,6 +76,21 @@ def score(runner: ModelRunner, seqs: list[list[int]], label: str) -> Scored:
     return Scored(torch.cat(top1), torch.cat(nll))
 
 
+def reference_scores(loaded: LoadedModel, seqs: list[list[int]]) -> Scored:
+    """The float32 reference, computed once per model file and prompt set (it is the slow part)."""
+    assert loaded.gguf_file is not None
+    key = hashlib.sha256(repr((str(loaded.gguf_file), seqs)).encode()).hexdigest()[:16]
+    path = cache_root() / "quality" / f"{loaded.gguf_file.stem}-{key}.pt"
+    if path.exists():
+        print(f"float32 reference from {path}", file=sys.stderr)
+        return Scored(**torch.load(path))
+    exact = _ExactGguf(**{**loaded.__dict__, "quantization": "none"})
+    ref = score(ModelRunner(exact, "cpu", "float32", 16), seqs, "float32 reference")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"top1": ref.top1, "nll": ref.nll}, path)
+    return ref
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="bundled:qwen2.5-coder-1.5b-instruct", help="a .gguf model")
@@ -94,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p for pair in zip(code, chat, strict=False) for p in pair]  # alternate the two
     seqs = token_ids(prompts, quantized, args.positions)
     print(f"{len(seqs)} prompts, {sum(len(s) - 1 for s in seqs)} positions", file=sys.stderr)
-    exact = _ExactGguf(**{**quantized.__dict__, "quantization": "none"})
-    ref = score(ModelRunner(exact, "cpu", "float32", 16), seqs, "float32 reference")
+    ref = reference_scores(quantized, seqs)
     runner = ModelRunner(quantized, "cpu", args.dtype, 16)
     ours = score(runner, seqs, f"{runner.weights.label} ({args.dtype})")
     agree = (ours.top1 == ref.top1).float().mean().item()

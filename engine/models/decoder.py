@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +21,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.attention import AttentionMetadata, paged_attention
 from engine.quant.formats import QuantizedWeight
 
+if TYPE_CHECKING:
+    from engine.quant.gguf_weights import GgufRows
+
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [kv_heads, num_blocks, block_size, dim]
-WeightValue = torch.Tensor | QuantizedWeight  # a checkpoint tensor, or a GGUF's raw quantized one
+# a checkpoint tensor, or a GGUF's quantized one (engine.quant): kept quantized, or left in the file
+WeightValue = Union[torch.Tensor, QuantizedWeight, "GgufRows"]
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ class GgufTensorInfo:
     name: str
     tensor_type: gguf.GGMLQuantizationType
     data: np.ndarray  # [rows, bytes per row] uint8 for quantized types, [rows, cols] for floats
+    offset: int  # of the data in the file
 
 
 class _Cursor:
@@ -106,4 +107,4 @@ def _tensor(
         data = data.reshape(rows, cols) if len(dims) > 1 else data.reshape(cols)
     else:
         data = raw
-    return GgufTensorInfo(name, qtype, data)
+    return GgufTensorInfo(name, qtype, data, start + offset)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from transformers import PretrainedConfig
@@ -36,7 +37,30 @@ _HF_SUFFIXES = (
 # GGUF architectures whose q/k rows llama.cpp's converter permuted (transformers undoes it).
 _PERMUTED_ARCHS = ("llama",)
 
-GgufTensor = torch.Tensor | QuantizedWeight
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+class GgufRows:
+    """A quantized table left in the file, memory-mapped on its own: `rows` dequantizes only the
+    rows asked for (exactly, as gguf does). For an untied embedding, which a forward reads a few
+    rows of, this keeps ~150 MB of a Qwen vocabulary out of resident memory."""
+
+    def __init__(self, path: Path, tensor: GgufTensorInfo) -> None:
+        self.kind = tensor.tensor_type
+        rows, row_bytes = tensor.data.shape
+        self.raw = np.memmap(path, np.uint8, "r", offset=tensor.offset, shape=(rows, row_bytes))
+        block, type_size = gguf.GGML_QUANT_SIZES[self.kind]
+        self.shape = (rows, row_bytes // type_size * block)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, K] float32
+        raw = self.raw[ids.cpu().numpy()]  # a copy of those rows only
+        return _dequantize_raw(raw, self.kind)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [N, K]
+        return _dequantize_raw(np.asarray(self.raw), self.kind).to(dtype)
+
+
+GgufTensor = torch.Tensor | QuantizedWeight | GgufRows
 
 
 def read_gguf_weights(
@@ -51,16 +75,25 @@ def read_gguf_weights(
         if base not in names:
             raise ValueError(f"{path.name}: tensor {tensor.name!r} has no transformers name")
         hf_name = f"{names[base]}.{suffix}"
-        value = _dequantized(tensor) if exact else _convert(tensor)
+        if exact:
+            value: GgufTensor = _dequantized(tensor)
+        elif hf_name == "model.embed_tokens.weight" and _rows_suffice(tensor, config):
+            value = GgufRows(path, tensor)
+        else:
+            value = _convert(tensor)
         if arch in _PERMUTED_ARCHS and base.endswith(("attn_q", "attn_k")):
             value = _unpermute(value, _permute_heads(base, config))
         yield hf_name, value
 
 
+def _rows_suffice(tensor: GgufTensorInfo, config: PretrainedConfig) -> bool:
+    """An embedding that is not also the head is only ever read a few rows at a time."""
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return not tied and tensor.tensor_type.name not in _FLOAT_TYPES
+
+
 def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
     """GGUF base name ("blk.0.attn_q") -> transformers base name, from gguf's own name map."""
-    import gguf
-
     arch_of_name = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
     table = gguf.get_tensor_name_map(arch_of_name[arch], num_layers)
     hf = ["model.embed_tokens", "model.norm", "lm_head"]
@@ -74,8 +107,6 @@ def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
 
 
 def _convert(tensor: GgufTensorInfo) -> GgufTensor:
-    import gguf
-
     kind, data = tensor.tensor_type, tensor.data
     if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
         return torch.from_numpy(np.array(data, dtype=np.float32))
@@ -83,36 +114,51 @@ def _convert(tensor: GgufTensorInfo) -> GgufTensor:
         return torch.from_numpy(gguf.quants.dequantize(data, kind).copy())
     if kind == gguf.GGMLQuantizationType.Q4_K:
         return q4_k_to_int4(torch.from_numpy(np.array(data)))
-    raw = torch.from_numpy(np.array(data))
+    return quantize_int8(_dequantize_raw(data, kind), source=kind.name)
+
+
+def _dequantize_raw(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """[N, bytes per row] -> [N, K] float32, as gguf's reference dequantization computes it."""
     if kind.name in _DEQUANTIZE:
-        dense = _DEQUANTIZE[kind.name](raw)
-    else:  # gguf's numpy reference: right for every type, slow on big tensors
-        dense = torch.from_numpy(gguf.quants.dequantize(data, kind).copy())  # [N, K] float32
-    return quantize_int8(dense, source=kind.name)
+        return _DEQUANTIZE[kind.name](torch.from_numpy(np.array(data)))
+    # gguf's numpy reference: right for every type, slow on big tensors
+    return torch.from_numpy(np.array(gguf.quants.dequantize(data, kind), dtype=np.float32))
 
 
 def _dequantized(tensor: GgufTensorInfo) -> torch.Tensor:
-    import gguf
-
     data, kind = tensor.data, tensor.tensor_type
     return torch.from_numpy(np.array(gguf.quants.dequantize(data, kind), dtype=np.float32))
 
 
-def q4_k_to_int4(raw: torch.Tensor) -> Int4Weight:
-    """[N, K / 256 * 144] uint8 Q4_K rows -> the same values as int4 group 32."""
+def _q4_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K / 256 * 144] Q4_K rows -> q [N, K] uint8, scale d * sc and min dmin * m, both
+    [N, K / 32] float32: w = scale * q - min."""
     n = raw.shape[0]
     blocks = raw.reshape(-1, _Q4_K_BLOCK)  # [B, 144], B = N * K / 256
     d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [B, 1]
     dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
     sc, m = _q4_k_scale_min(blocks[:, 4:16])  # [B, 8] each, 6-bit integers
-    scale = d * sc  # exact in float32: an f16 times a 6-bit integer
-    zero = 8 * scale - dmin * m
     qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # sub-blocks 2j (low nibbles), 2j+1 (high)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, -1)
+    # d * sc is exact in float32 (an f16 times a 6-bit integer), as is dmin * m
+    return q, (d * sc).reshape(n, -1), (dmin * m).reshape(n, -1)
+
+
+def dequantize_q4_k(raw: torch.Tensor) -> torch.Tensor:  # [N, K / 256 * 144] -> [N, K]
+    q, scale, low = _q4_k_parts(raw)
+    n, k = q.shape
+    w = scale[..., None] * q.view(n, -1, 32).float() - low[..., None]
+    return w.view(n, k)
+
+
+def q4_k_to_int4(raw: torch.Tensor) -> Int4Weight:
+    """[N, K / 256 * 144] uint8 Q4_K rows -> the same values as int4 group 32."""
+    q, scale, low = _q4_k_parts(raw)
+    zero = 8 * scale - low
     return Int4Weight(
         q,
-        scale.reshape(n, -1).to(torch.bfloat16),
-        zero.reshape(n, -1).to(torch.bfloat16),
+        scale.to(torch.bfloat16),
+        zero.to(torch.bfloat16),
         32,
         "Q4_K",
     )
@@ -181,4 +227,9 @@ def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:  # [N, K / 32 * 34] -> [
     return (_f16(b[:, 0:2]) * b[:, 2:].contiguous().view(torch.int8).float()).reshape(n, -1)
 
 
-_DEQUANTIZE = {"Q6_K": dequantize_q6_k, "Q5_0": dequantize_q5_0, "Q8_0": dequantize_q8_0}
+_DEQUANTIZE = {
+    "Q4_K": dequantize_q4_k,
+    "Q6_K": dequantize_q6_k,
+    "Q5_0": dequantize_q5_0,
+    "Q8_0": dequantize_q8_0,
+}

@@ -23,15 +23,17 @@ from engine.quant.formats import (
     quantize_int8,
     same_format,
 )
+from engine.quant.gguf_weights import GgufRows
 from engine.quant.kernels import DenseKernel, Kernel, make_kernel
 
 # "keep": quantized tensors stay as they come, float ones stay dense (GGUF files);
 # "int4" / "int8": float tensors are rounded to nearest at load.
 QuantizeMode = Literal["keep", "int4", "int8"]
-Shard = torch.Tensor | QuantizedWeight
+Shard = torch.Tensor | QuantizedWeight | GgufRows
 
 
 def to_format(value: Shard, mode: QuantizeMode) -> Shard:
+    """Float tensors rounded as `mode` says; quantized weights and GGUF rows stay as they are."""
     if not isinstance(value, torch.Tensor) or mode == "keep":
         return value
     if mode == "int4" and value.shape[1] % 32 == 0:
@@ -118,6 +120,9 @@ class QuantEmbedding(nn.Module):
             raise ValueError(f"embedding shape {tuple(value.shape)} != {self.shape}")
         value = to_format(value, self.mode)
         self.table = _Table(value, self.dtype, self.device)
+        if isinstance(value, GgufRows):  # only untied tables are left in the file
+            self.format = f"{value.kind.name} rows from the file"
+            return
         self.head = make_kernel(value, self.dtype, self.device) if self.tied else None
         self.format = format_name(value, self.head, self.dtype)
 
@@ -141,10 +146,14 @@ class _Table:
 
     def __init__(self, value: Shard, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype = dtype
+        self.device = device
         self.dense: torch.Tensor | None = None
         self.int8: Int8Weight | None = None
         self.int4: Int4Weight | None = None
-        if isinstance(value, torch.Tensor):
+        self.gguf: GgufRows | None = None
+        if isinstance(value, GgufRows):
+            self.gguf = value
+        elif isinstance(value, torch.Tensor):
             self.dense = value.to(device=device, dtype=dtype)
         elif isinstance(value, Int8Weight):
             self.int8 = Int8Weight(value.q.to(device), value.scale.to(device), value.source)
@@ -160,6 +169,8 @@ class _Table:
             )
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, K]
+        if self.gguf is not None:
+            return self.gguf.rows(ids).to(device=self.device, dtype=self.dtype)
         if self.dense is not None:
             return self.dense[ids]
         if self.int8 is not None:
@@ -170,6 +181,8 @@ class _Table:
         return Int4Weight(q, packed.scale, packed.zero, packed.group_size).dequantize(self.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
+        if self.gguf is not None:
+            return []  # memory-mapped: only the rows read lately are resident
         if self.dense is not None:
             return [self.dense]
         if self.int8 is not None:

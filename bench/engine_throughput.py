@@ -69,6 +69,7 @@ def ours(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float:
 def prefill_rate(engine: LLMEngine, num_tokens: int, repeats: int) -> float:
     """Tokens/s of one prompt of `num_tokens` (a fresh one each time: no prefix cache hits)."""
     base: list[int] = engine.tokenizer(PROMPT * 20)["input_ids"]  # type: ignore[operator]
+    num_tokens = min(num_tokens, engine.max_model_len - 1, len(base))
     rates = []
     for r in range(repeats):
         prompt = [(t + r + 1) % 1000 + 100 for t in base[:1]] + base[1:num_tokens]

@@ -53,9 +53,10 @@ def test_round_to_nearest_error(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_kernel_matches_dequantized_reference(fmt: str, rows: int) -> None:
-    q = _quantize(fmt, _weight())
+@pytest.mark.parametrize(("rows", "n"), [(1, 96), (5, 96), (16, 96), (3, 1040)])
+def test_kernel_matches_dequantized_reference(fmt: str, rows: int, n: int) -> None:
+    """n = 1040: int4 weights are packed 1024 rows at a time, with a tail of 16."""
+    q = _quantize(fmt, _weight(n=n))
     kernel = make_kernel(q, torch.bfloat16, CPU)
     assert not isinstance(kernel, DenseKernel), "the kernel failed its self-test on this CPU"
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from engine.quant.formats import Int4Weight, QuantizedWeight, quantize_int8
+from engine.quant.formats import Int4Weight, QuantizedWeight, cat_rows, quantize_int8
 from engine.quant.gguf_file import GgufTensorInfo, read_gguf
 
 _Q4_K_BLOCK = 144  # bytes per 256 values: d (f16), dmin (f16), 12 bytes of scales, 128 of q
@@ -38,6 +38,7 @@ _HF_SUFFIXES = (
 _PERMUTED_ARCHS = ("llama",)
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+_ROWS_AT_ONCE = 16384
 
 
 class GgufRows:
@@ -114,7 +115,12 @@ def _convert(tensor: GgufTensorInfo) -> GgufTensor:
         return torch.from_numpy(gguf.quants.dequantize(data, kind).copy())
     if kind == gguf.GGMLQuantizationType.Q4_K:
         return q4_k_to_int4(torch.from_numpy(np.array(data)))
-    return quantize_int8(_dequantize_raw(data, kind), source=kind.name)
+    # Row by row formats: convert in slices, so a vocabulary-sized head never exists in float32.
+    parts = [
+        quantize_int8(_dequantize_raw(data[i : i + _ROWS_AT_ONCE], kind), source=kind.name)
+        for i in range(0, data.shape[0], _ROWS_AT_ONCE)
+    ]
+    return parts[0] if len(parts) == 1 else cat_rows(parts)
 
 
 def _dequantize_raw(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> torch.Tensor:

@@ -59,8 +59,13 @@ class Int4CpuKernel:
 
     def __init__(self, weight: Int4Weight, device: torch.device) -> None:
         self.group_size = weight.group_size
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            weight.q.to(torch.int32), 1
+        # Packing is row-blocked (32 or 64 rows by ISA): slices of 1024 rows pack alike, and the
+        # int32 copy the op wants never spans a whole vocabulary-sized matrix.
+        self.packed = torch.cat(
+            [
+                torch.ops.aten._convert_weight_to_int4pack_for_cpu(rows.to(torch.int32), 1)
+                for rows in weight.q.split(1024)
+            ]
         )
         self.scale_zero = _scale_zero(weight)  # [K / group, N, 2] bf16
 

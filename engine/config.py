@@ -14,6 +14,10 @@ PROPOSERS: dict[str, tuple[str, ...]] = {
     "hybrid": ("ngram", "draft"),
 }
 Dtype = Literal["float32", "bfloat16", "float16"]
+# auto: a GGUF's quantized tensors stay quantized (int4 for Q4_K, int8 for the others), float
+# checkpoints stay float; none: everything dequantized to `dtype`; int8 / int4: float
+# checkpoints rounded to nearest at load (GGUF files behave as with auto).
+Quantization = Literal["auto", "none", "int8", "int4"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model's own
     device: str = "cpu"
     dtype: Dtype = "bfloat16"
+    quantization: Quantization = "auto"  # target and draft alike
     block_size: int = 16
     kv_cache_gib: float = 2.0  # KV pool size on CPU (target and draft together)
     num_kv_blocks: int | None = None  # exact pool size in blocks; overrides the memory budget
@@ -84,3 +89,7 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.tensor_parallel_size > 1 and self.speculative.draft_model == self.model:
             raise ValueError("with tensor parallelism the draft must be a different model")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(
+                f"quantization must be auto, none, int8 or int4, not {self.quantization!r}"
+            )

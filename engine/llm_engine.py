@@ -39,7 +39,10 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         log.info("loading target model %s", config.model)
         self.target = ModelRunner(
-            load_model(config.model), config.device, config.dtype, config.block_size
+            load_model(config.model, config.quantization),
+            config.device,
+            config.dtype,
+            config.block_size,
         )
         self.tokenizer = self.target.tokenizer
         self.max_model_len = min(config.max_model_len or 1 << 30, self.target.max_model_len)
@@ -406,7 +409,7 @@ class LLMEngine:
             return NoProposer()
         assert spec.draft_model is not None
         log.info("loading draft model %s", spec.draft_model)
-        loaded = load_model(spec.draft_model)
+        loaded = load_model(spec.draft_model, self.config.quantization)
         check_same_vocab(self.tokenizer, loaded.tokenizer)
         self.draft = ModelRunner(
             loaded, self.config.device, self.config.dtype, self.config.block_size

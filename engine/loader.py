@@ -1,9 +1,11 @@
 """Load config, tokenizer and weights from a folder, a `.gguf`, a hub id or `bundled:NAME`.
 
-Every source ends up as a local folder of config + tokenizer + safetensors. A GGUF file is
-dequantized once (slow for a 1.5B model) into a bfloat16 safetensors folder under
-`$SPECSERVE_CACHE/converted/`, keyed by the file's path, size and mtime, and read from there
-on later loads.
+Every source ends up as a local folder of config + tokenizer + safetensors. A GGUF file loaded
+with `quantization` none is dequantized once (slow for a 1.5B model) into a bfloat16
+safetensors folder under `$SPECSERVE_CACHE/converted/`, keyed by the file's path, size and
+mtime, and read from there on later loads. With any other `quantization` only its config and
+tokenizer are saved there, and the weights are read raw from the GGUF file at every load
+(`engine.quant.gguf_weights`): quantized blocks stay quantized.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +26,9 @@ from filelock import FileLock
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.config import Quantization
 from engine.models import ARCHITECTURE_OF_MODEL_TYPE, check_supported
+from engine.models.decoder import WeightValue
 
 _CONVERTED_DONE = "specserve-converted.json"
 
@@ -36,9 +40,16 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     weights_dir: Path  # folder holding *.safetensors with transformers parameter names
     architecture: str  # e.g. "Qwen2ForCausalLM"
+    quantization: Quantization = "none"  # what the runner makes of the weights
+    gguf_file: Path | None = None  # weights read raw from here (weights_dir: config only)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(transformers name, tensor) pairs, read lazily one at a time."""
+    def iter_weights(self) -> Iterator[tuple[str, WeightValue]]:
+        """(transformers name, tensor or quantized weight) pairs, read lazily one at a time."""
+        if self.gguf_file is not None:
+            from engine.quant.gguf_weights import read_gguf_weights
+
+            yield from read_gguf_weights(self.gguf_file, self.hf_config)
+            return
         files = sorted(self.weights_dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {self.weights_dir}")
@@ -61,23 +72,26 @@ def _log(msg: str) -> None:
     print(f"[specserve loader] {msg}", file=sys.stderr, flush=True)
 
 
-def load_model(spec: str) -> LoadedModel:
+def load_model(spec: str, quantization: Quantization = "none") -> LoadedModel:
     """Resolve `spec` to a local folder and read config and tokenizer (weights stay lazy)."""
-    folder = _resolve(spec)
-    return _load_folder(spec, folder)
-
-
-def _resolve(spec: str) -> Path:
     if spec.startswith("bundled:"):
         from engine import bundled
 
-        return _resolve(str(bundled.resolve(spec.removeprefix("bundled:"))))
-    path = Path(spec).expanduser()
+        path = Path(bundled.resolve(spec.removeprefix("bundled:")))
+    else:
+        path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf" and quantization != "none":
+        loaded = _load_folder(spec, gguf_metadata(path))
+        return replace(loaded, quantization=quantization, gguf_file=path)
+    return replace(_load_folder(spec, _resolve(spec, path)), quantization=quantization)
+
+
+def _resolve(spec: str, path: Path) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         return converted_gguf(path)
     if path.is_dir():
         return path
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+    if path.exists() or spec.startswith((".", "/", "~", "bundled:")) or spec.count("/") != 1:
         raise FileNotFoundError(f"model {spec!r}: not a model folder, .gguf file or hub id")
     return _from_hub(spec)
 
@@ -145,12 +159,46 @@ def converted_gguf(path: Path) -> Path:
     return out
 
 
+def gguf_metadata(path: Path) -> Path:
+    """A folder with only the config and tokenizer of `path` (saved once; weights stay raw)."""
+    out = cache_root() / "converted" / f"{_gguf_key(path)}-meta"
+    if (out / _CONVERTED_DONE).exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{out}.lock"):
+        if not (out / _CONVERTED_DONE).exists():
+            tmp = Path(tempfile.mkdtemp(prefix=".meta-", dir=out.parent))
+            try:
+                _save_config_and_tokenizer(path, tmp)
+                tmp.chmod(0o755)
+                shutil.rmtree(out, ignore_errors=True)
+                tmp.rename(out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    _prune_stale(path, out)
+    return out
+
+
+def _save_config_and_tokenizer(path: Path, out: Path) -> None:
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    check_supported(architecture_of(config))
+    config.architectures = [architecture_of(config)]
+    config.save_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(str(out))
+    (out / _CONVERTED_DONE).write_text(json.dumps({"source": str(path.resolve())}) + "\n")
+
+
 def _prune_stale(path: Path, keep: Path) -> None:
     """Delete earlier conversions of the same file (it was replaced: new size or mtime)."""
     source = str(path.resolve())
     for old in keep.parent.glob(f"{path.stem}-*"):
         marker = old / _CONVERTED_DONE
-        if old == keep or not marker.exists():
+        if (
+            old == keep
+            or not marker.exists()
+            or old.name.endswith("-meta") != keep.name.endswith("-meta")
+        ):
             continue
         if json.loads(marker.read_text()).get("source") == source:
             _log(f"removing stale conversion {old}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +15,9 @@ from engine.models import build_decoder
 from engine.models.decoder import DecoderModel, KVCache
 from engine.parallel.layers import shard_decoder
 from engine.parallel.state import TensorParallel, tensor_parallel_for
+from engine.quant.model import WeightSummary, quantize_mode, summarize, swap_in_quantized
+
+log = logging.getLogger("specserve.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,6 +44,14 @@ class ModelRunner:
         self.block_size = block_size
         self.tp = tensor_parallel_for(loaded.name)  # sharded target, or None
         self.model = _build_model(loaded, self.device, self.dtype, self.tp)
+        self.weights: WeightSummary = summarize(self.model)
+        log.info(
+            "%s runs as %s (%s): %.2f GiB of weights",
+            loaded.name,
+            self.weights.label,
+            dtype,
+            self.weights.weight_bytes / (1 << 30),
+        )
         self.kv_caches: list[KVCache] = []
 
     @property
@@ -140,6 +153,11 @@ def _build_model(
 ) -> DecoderModel:
     with torch.device("meta"):
         model = build_decoder(loaded.architecture, loaded.hf_config)
+    mode = quantize_mode(loaded.quantization, from_gguf=loaded.gguf_file is not None)
+    if mode is not None:
+        if tp is not None:
+            raise ValueError("tensor parallelism shards plain linear layers: use quantization none")
+        swap_in_quantized(model, mode, dtype, device)
     # A sharded model loads whole in host memory, then only this rank's shard goes to the device.
     model = model.to(dtype).to_empty(device="cpu" if tp is not None else device)
     model.load_weights(loaded.iter_weights())
@@ -147,7 +165,17 @@ def _build_model(
         shard_decoder(model, tp)
         model = model.to(device)
     model.init_rotary(loaded.hf_config, device)
+    _return_freed_memory()
     return model.eval()
+
+
+def _return_freed_memory() -> None:
+    """Loading frees gigabytes of transient tensors (raw blocks, unpacked values) that glibc
+    would otherwise keep in the process: hand them back so resident memory is the model's."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
 
 
 def _turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -29,6 +29,7 @@ from server.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    ModelWeights,
     TokenizeRequest,
 )
 from server.serving import ClientDisconnected, OpenAIServing, Stream, as_api_error
@@ -189,7 +190,14 @@ def _api_routes(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models")
     async def models(s: Serving) -> ModelList:
-        card = ModelCard(id=s.model_name, root=state.settings.model, max_model_len=s.max_model_len)
+        weights = _model_weights(state.engine)
+        card = ModelCard(
+            id=s.model_name,
+            root=state.settings.model,
+            max_model_len=s.max_model_len,
+            quantization=weights[0].quantization if weights else None,
+            weights=weights or None,
+        )
         return ModelList(data=[card])
 
     @router.post("/tokenize")
@@ -351,3 +359,20 @@ class BearerAuth:
             return
         error = APIError(401, "invalid or missing API key", code="invalid_api_key")
         await error.response()(scope, receive, send)
+
+
+def _model_weights(engine: AsyncLLM | None) -> list[ModelWeights]:
+    """The target's and the draft's weight formats and sizes (empty before the engine loads)."""
+    core = getattr(engine, "engine", None)  # the LLMEngine inside AsyncLLM (test fakes have none)
+    if core is None:
+        return []
+    runners = [core.target, core.draft]
+    return [
+        ModelWeights(
+            model=r.loaded.name,
+            quantization=r.weights.label,
+            weight_bytes=r.weights.weight_bytes,
+        )
+        for r in runners
+        if r is not None
+    ]

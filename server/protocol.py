@@ -292,6 +292,14 @@ class ChatCompletionChunk(_Response):
     prompt_token_ids: list[int] | None = None
 
 
+class ModelWeights(BaseModel):
+    """What a model's weights run as, and the memory they take."""
+
+    model: str
+    quantization: str  # formats by share of bytes, e.g. "int4-g32 + int8"
+    weight_bytes: int
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -299,6 +307,8 @@ class ModelCard(BaseModel):
     owned_by: str = "specserve"
     root: str | None = None
     max_model_len: int | None = None
+    quantization: str | None = None  # the target's, as in `weights`
+    weights: list[ModelWeights] | None = None  # the target, then the draft model if any
 
 
 class ModelList(BaseModel):

@@ -70,6 +70,11 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="bfloat16", description="weights"
     )
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        default="auto",
+        description="auto: a GGUF's quantized blocks run on int4/int8 kernels; none: dequantize "
+        "to dtype; int8/int4: quantize a float checkpoint at load",
+    )
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     api_key: str | None = Field(
@@ -150,6 +155,7 @@ class Settings(BaseSettings):
             model=self.model,
             device=self.device,
             dtype=self.dtype,
+            quantization=self.quantization,
             block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib,
             max_model_len=self.max_model_len,

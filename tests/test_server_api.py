@@ -296,6 +296,10 @@ def test_models_and_tokenizer_routes(server: RealServer, client: openai.OpenAI) 
         assert info["eos_token"] == "<|endoftext|>" and "im_start" in info["chat_template"]
         assert http.get("/version").json()["version"]
         assert http.get("/health").json() == {"status": "ready"}
+        card = http.get("/v1/models").json()["data"][0]
+        dtype = card["weights"][0]["quantization"]  # a float checkpoint with quantization auto
+        assert card["quantization"] == dtype and dtype in ("float32", "bf16")
+        assert card["weights"][0]["weight_bytes"] > 0
 
 
 def test_streamed_logprobs_match(client: openai.OpenAI) -> None:

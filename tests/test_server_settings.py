@@ -112,7 +112,12 @@ def _value_for(name: str) -> list[str]:
     field = Settings.model_fields[name]
     if field.annotation is bool:
         return []
-    choices = {"speculative_method": "ngram", "dtype": "float32", "log_level": "info"}
+    choices = {
+        "speculative_method": "ngram",
+        "dtype": "float32",
+        "log_level": "info",
+        "quantization": "int4",
+    }
     if typing.get_origin(field.annotation) is typing.Literal and name not in choices:
         return [str(typing.get_args(field.annotation)[-1])]
     return [choices.get(name, "1")]

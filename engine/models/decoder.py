@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,14 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.quant.formats import QuantizedWeight
+
+if TYPE_CHECKING:
+    from engine.quant.gguf_weights import GgufRows
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [kv_heads, num_blocks, block_size, dim]
+# a checkpoint tensor, or a GGUF's quantized one (engine.quant): kept quantized, or left in the file
+WeightValue = Union[torch.Tensor, QuantizedWeight, "GgufRows"]
 
 
 @dataclass(frozen=True)
@@ -227,15 +234,34 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if isinstance(self.embed_tokens, nn.Embedding):
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.embed_tokens.attend(hidden).float()  # a quantized table as the tied head
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy transformers-named tensors in, fusing q/k/v and gate/up; all must be covered."""
-        params = dict(self.named_parameters())
-        pending = {name: _num_shards(name) for name in params}
+    def shard_sizes(self, module_name: str) -> list[int]:
+        """Output rows of each shard of a linear layer (q/k/v and gate/up are fused)."""
+        s = self.shape
+        if module_name.endswith("qkv_proj"):
+            return [s.q_size, s.kv_size, s.kv_size]
+        if module_name.endswith("gate_up_proj"):
+            return [s.intermediate_size] * 2
+        return [self.get_submodule(module_name).out_features]
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightValue]]) -> None:
+        """Copy transformers-named tensors in, fusing q/k/v and gate/up; all must be covered.
+
+        Modules that load their own weights (quantized layers: `load_shard`) get theirs as they
+        come, quantized or float; plain parameters take quantized weights dequantized."""
+        targets = dict(self.named_parameters())
+        pending = {name: _num_shards(name) for name in targets}
+        for module_name, module in self.named_modules():
+            if hasattr(module, "load_shard"):
+                targets[f"{module_name}.weight"] = module
+                pending[f"{module_name}.weight"] = _num_shards(module_name)
         for hf_name, tensor in weights:
-            name = self._load_one(params, hf_name, tensor)
+            name = self._load_one(targets, hf_name, tensor)
             if name is not None:
                 pending[name] -= 1
         missing = sorted(name for name, left in pending.items() if left > 0)
@@ -243,32 +269,36 @@ class DecoderModel(nn.Module):
             raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")
 
     def _load_one(
-        self, params: dict[str, nn.Parameter], hf_name: str, tensor: torch.Tensor
+        self, targets: dict[str, nn.Parameter | nn.Module], hf_name: str, tensor: WeightValue
     ) -> str | None:
         name = hf_name.removeprefix("model.")
-        for hf_part, (ours, shard) in _FUSED.items():
+        shard = 0
+        for hf_part, (ours, fused_shard) in _FUSED.items():
             if f".{hf_part}." in name:
-                name = name.replace(hf_part, ours)
-                _copy_shard(params[name], tensor, shard, self.shape)
-                return name
-        if name not in params:
+                name, shard = name.replace(hf_part, ours), fused_shard
+                break
+        if name not in targets:
             if name == "lm_head.weight" or "rotary_emb" in name:
                 return None  # a tied head saved anyway; rotary buffers of old checkpoints
             raise ValueError(f"unexpected weight {hf_name!r} for this architecture")
-        with torch.no_grad():
-            params[name].copy_(tensor)
+        target = targets[name]
+        if isinstance(target, nn.Parameter):
+            dense = tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
+            self._copy_shard(target, name, dense, shard)
+        else:
+            target.load_shard(shard, tensor)  # type: ignore[operator]
         return name
+
+    def _copy_shard(self, param: nn.Parameter, name: str, tensor: torch.Tensor, shard: int) -> None:
+        if _num_shards(name) == 1:
+            with torch.no_grad():
+                param.copy_(tensor)
+            return
+        sizes = self.shard_sizes(name.rpartition(".")[0])
+        start = sum(sizes[:shard])
+        with torch.no_grad():
+            param[start : start + sizes[shard]].copy_(tensor)
 
 
 def _num_shards(name: str) -> int:
     return 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 1
-
-
-def _copy_shard(param: nn.Parameter, tensor: torch.Tensor, shard: int, shape: DecoderShape) -> None:
-    if param.shape[0] == 2 * shape.intermediate_size:
-        sizes = [shape.intermediate_size] * 2
-    else:
-        sizes = [shape.q_size, shape.kv_size, shape.kv_size]
-    start = sum(sizes[:shard])
-    with torch.no_grad():
-        param[start : start + sizes[shard]].copy_(tensor)

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +22,7 @@ from engine.sampler import logprobs_of
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
-from engine.spec_k import RequestKPolicy
+from engine.spec_k import FREE_CATCH_UP, RequestKPolicy
 from engine.spec_policy import SpeculationPolicy
 
 log = logging.getLogger("specserve.engine")
@@ -128,11 +129,13 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         proposals = self.proposer.propose(batch.scheduled)
         drafted = time.perf_counter()
+        caught_up = _draft_catch_up(batch.scheduled, proposals)
         logits = self.target.forward(self._verify_inputs(batch.scheduled, proposals))
         stats = self._accept(batch.scheduled, proposals, logits)
         stats.num_preemptions = batch.num_preempted
         finished = time.perf_counter()
-        self._observe(batch.scheduled, proposals, stats, drafted - started, finished - drafted)
+        timing = StepTiming(drafted - started, finished - drafted, caught_up)
+        self._observe(batch.scheduled, proposals, stats, timing)
         self.last_stats = stats
         return [self._output(item.seq) for item in batch.scheduled if self._has_news(item.seq)]
 
@@ -141,12 +144,17 @@ class LLMEngine:
         batch: list[ScheduledSeq],
         proposals: list[Proposal],
         stats: StepStats,
-        propose_seconds: float,
-        verify_seconds: float,
+        timing: StepTiming,
     ) -> None:
-        """Feed decode-only steps to the speculation policies (prompt chunks would swamp them)."""
+        """Feed decode-only steps to the speculation policies (prompt chunks, and the draft catching
+        up on a prompt, would swamp them; a catch-up is timed on its own)."""
         if not batch or any(item.num_new_tokens > 1 for item in batch):
             return
+        if timing.draft_catch_up > FREE_CATCH_UP:
+            if self.request_k is not None:
+                self.request_k.cost.observe_catch_up(timing.draft_catch_up, timing.propose)
+            return
+        propose_seconds, verify_seconds = timing.propose, timing.verify
         drafted: dict[str, int] = {}
         for proposal in proposals:
             if proposal.token_ids:
@@ -430,6 +438,23 @@ class LLMEngine:
             free, _ = torch.cuda.mem_get_info()
             budget = free * self.config.gpu_memory_utilization
         return max(1, int(budget // per_block))
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    propose: float  # seconds the proposer took
+    verify: float  # seconds of the target's forward and the verification
+    draft_catch_up: int  # tokens the draft model computed before it could draft
+
+
+def _draft_catch_up(batch: list[ScheduledSeq], proposals: list[Proposal]) -> int:
+    """Tokens the draft model computed this step beyond feeding back its own drafts."""
+    total = 0
+    for item, proposal in zip(batch, proposals, strict=True):
+        if proposal.num_draft_computed is not None:
+            fed = max(0, len(proposal.token_ids) - 1)
+            total += proposal.num_draft_computed - item.seq.num_draft_computed_tokens - fed
+    return total
 
 
 def _num_logits(item: ScheduledSeq, proposal: Proposal) -> int:

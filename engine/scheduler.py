@@ -186,7 +186,13 @@ class Scheduler:
         k_max = min(seq.num_speculative_tokens, step_k)
         if self.request_k is None or k_max == 0:
             return dict.fromkeys(names, k_max)
-        return self.request_k.choose(seq.spec_state, k_max, len(self.running))
+        return self.request_k.choose(
+            seq.spec_state,
+            k_max,
+            len(self.running),
+            draft_lag=seq.num_tokens - seq.num_draft_computed_tokens,
+            remaining=seq.params.max_tokens - seq.num_output_tokens,
+        )
 
     def _positions(self, item: ScheduledSeq) -> int:
         return item.seq.num_computed_tokens + item.num_new_tokens + item.num_spec_tokens

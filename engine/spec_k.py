@@ -28,6 +28,12 @@ MAX_PROBE_EVERY = 64
 # Relative cost of one draft position before anything was measured (a plain step = 1): the draft
 # model at about a third of the target, an n-gram lookup nearly free.
 PRIOR_COST = {"draft": 0.35, "ngram": 0.05}
+# A draft model that has not seen a request's text must first compute it (its prompt, or what it
+# missed while the request took n-gram drafts or sat at k = 0). Below this many tokens the catch-up
+# rides along in a draft step; above it the draft runs only if the drafts it is expected to win over
+# the rest of the request pay for it. Relative cost of one catch-up token before it is measured:
+PRIOR_CATCH_UP_COST = 0.15
+FREE_CATCH_UP = 8
 
 
 @dataclass
@@ -114,6 +120,7 @@ class DraftCost:
         ] = {}  # batch-size bucket -> decayed seconds of a plain step
         self.per_token: dict[str, float] = {}  # proposer -> decayed seconds per drafted token
         self.verify_per_token: float | None = None  # extra target seconds per draft token
+        self.catch_up_per_token: float | None = None  # draft seconds per token it catches up on
 
     def relative(self, proposer: str, batch_size: int) -> float:
         plain = self.plain_step.get(bucket_of(batch_size))
@@ -121,6 +128,18 @@ class DraftCost:
         if plain is None or draft is None or self.verify_per_token is None:
             return PRIOR_COST.get(proposer, 0.35)
         return batch_size * (draft + self.verify_per_token) / plain
+
+    def catch_up(self, batch_size: int) -> float:
+        """Seconds to catch the draft up on one token, relative to a plain step."""
+        plain = self.plain_step.get(bucket_of(batch_size))
+        if plain is None or self.catch_up_per_token is None:
+            return PRIOR_CATCH_UP_COST
+        return self.catch_up_per_token / plain
+
+    def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
+        per_token = seconds / max(1, num_tokens)
+        prev = self.catch_up_per_token
+        self.catch_up_per_token = per_token if prev is None else 0.7 * prev + 0.3 * per_token
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         _decayed(self.plain_step, bucket_of(batch_size), seconds)
@@ -172,17 +191,34 @@ class RequestKPolicy:
         self.cost = DraftCost()
         self.priors = {name: AcceptanceEstimate() for name in proposers}
 
-    def choose(self, state: RequestSpecState, k_max: int, batch_size: int) -> dict[str, int]:
+    def choose(
+        self,
+        state: RequestSpecState,
+        k_max: int,
+        batch_size: int,
+        draft_lag: int = 0,  # tokens the draft model has not computed yet
+        remaining: int = 1 << 30,  # output tokens the request may still produce
+    ) -> dict[str, int]:
         """proposer -> k for this request this step."""
-        return {
-            name: choose_request_k(
-                state.track(name),
-                k_max,
-                self.cost.relative(name, batch_size),
-                self.priors[name].rate(0),
-            )
-            for name in self.proposers
-        }
+        ks = {}
+        for name in self.proposers:
+            cost = self.cost.relative(name, batch_size)
+            track = state.track(name)
+            k = choose_request_k(track, k_max, cost, self.priors[name].rate(0))
+            if name == "draft" and k > 0 and draft_lag > FREE_CATCH_UP:
+                rates = track.acceptance.rates(k, self.priors[name].rate(0))
+                k = k if self._catch_up_pays(rates, cost, draft_lag, remaining, batch_size) else 0
+            ks[name] = k
+        return ks
+
+    def _catch_up_pays(
+        self, rates: list[float], cost: float, lag: int, remaining: int, batch_size: int
+    ) -> bool:
+        """Do the plain steps the drafts save over the rest of the request outweigh catching up?"""
+        k = len(rates)
+        steps_per_token = (1.0 + k * cost) / expected_tokens(rates)[-1]  # < 1 where drafts pay
+        saved = remaining * (1.0 - steps_per_token)
+        return saved > lag * self.cost.catch_up(batch_size)
 
     def observe(self, state: RequestSpecState, proposer: str, drafted: int, accepted: int) -> None:
         if drafted <= 0 or proposer not in self.priors:

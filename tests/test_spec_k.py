@@ -90,3 +90,23 @@ def test_policy_keeps_separate_records_per_proposer() -> None:
     policy.cost.relative = lambda proposer, batch_size: 0.3  # type: ignore[method-assign]
     ks = policy.choose(state, 6, batch_size=1)
     assert ks["ngram"] == 6 and ks["draft"] == 0
+
+
+def test_draft_catches_up_only_where_the_rest_of_the_request_pays_for_it() -> None:
+    policy = RequestKPolicy(("draft",))
+    state = RequestSpecState()
+    for _ in range(10):
+        policy.observe(state, "draft", 3, 2)
+    policy.cost.relative = lambda proposer, batch_size: 0.3  # type: ignore[method-assign]
+    policy.cost.catch_up = lambda batch_size: 0.15  # type: ignore[method-assign]
+    # 300 prompt tokens to catch up on: 45 plain steps' worth of draft time
+    assert policy.choose(state, 3, 1, draft_lag=300, remaining=64)["draft"] == 0
+    assert policy.choose(state, 3, 1, draft_lag=300, remaining=1000)["draft"] > 0
+    assert policy.choose(state, 3, 1, draft_lag=2, remaining=4)["draft"] > 0  # rides along
+
+
+def test_catch_up_cost_is_measured() -> None:
+    cost = DraftCost()
+    cost.observe_plain(1, 0.2)
+    cost.observe_catch_up(100, 3.0)  # 30 ms a token against a 200 ms step
+    assert cost.catch_up(1) == pytest.approx(0.15)

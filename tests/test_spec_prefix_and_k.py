@@ -98,7 +98,8 @@ class _ScriptedProposer:
         right = self.futures[seq.request_id][done : done + k]
         if seq.request_id.startswith("bad"):
             right = [(t + 1) % self.vocab for t in right]
-        return Proposal(right, None, self.name, None) if right else Proposal.empty()
+        frontier = seq.num_computed_tokens + item.num_new_tokens + len(right) - 1  # as a draft would
+        return Proposal(right, None, self.name, frontier) if right else Proposal.empty()
 
 
 def test_request_k_drops_to_zero_for_failing_drafts_only(tiny_model_dir: Path, vocab: int) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import secrets
@@ -31,6 +30,7 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from server.request_body import parse_json
 from server.serving import ClientDisconnected, OpenAIServing, Stream, as_api_error
 from server.settings import Settings
 
@@ -144,10 +144,7 @@ def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
     """Parse the body as JSON whatever the Content-Type says (`curl -d` sends a form type)."""
 
     async def parse(request: Request) -> M:
-        try:
-            data = json.loads(await request.body())
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError too
-            raise bad_request(f"malformed JSON body: {exc}") from None
+        data = parse_json(await request.body())
         try:
             return model.model_validate(data)
         except ValidationError as exc:
@@ -168,7 +165,6 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(req: CompletionBody, raw: Request, s: Serving) -> Response:
         s.check_model(req.model)
-        s.check_capacity()
         if req.stream:
             return _sse(s, s.stream_completion(req), state.settings)
         return JSONResponse((await s.completion(req, raw)).model_dump())
@@ -176,7 +172,6 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat(req: ChatBody, raw: Request, s: Serving) -> Response:
         s.check_model(req.model)
-        s.check_capacity()
         if req.stream:
             return _sse(s, s.stream_chat(req), state.settings)
         return JSONResponse((await s.chat(req, raw)).model_dump())

@@ -321,6 +321,7 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, raw: Request) -> CompletionResponse:
         response_id = random_id("cmpl")
         jobs = self.completion_jobs(req, response_id)
+        self.check_capacity()  # after validation: a bad request is a 400, never a 429
         choices = await until_disconnected(raw, self.collect(jobs))
         return CompletionResponse(
             id=response_id,
@@ -351,6 +352,7 @@ class OpenAIServing:
     def stream_completion(self, req: CompletionRequest) -> Stream:
         response_id = random_id("cmpl")
         jobs = self.completion_jobs(req, response_id)
+        self.check_capacity()  # after validation: a bad request is a 400, never a 429
         return self._stream(jobs, req, lambda c, o: self._completion_chunk(response_id, req, c, o))
 
     def _completion_chunk(
@@ -381,6 +383,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> ChatCompletionResponse:
         response_id = random_id("chatcmpl")
         jobs = self.chat_jobs(req, response_id)
+        self.check_capacity()  # after validation: a bad request is a 400, never a 429
         choices = await until_disconnected(raw, self.collect(jobs))
         return ChatCompletionResponse(
             id=response_id,
@@ -406,6 +409,7 @@ class OpenAIServing:
     def stream_chat(self, req: ChatCompletionRequest) -> Stream:
         response_id = random_id("chatcmpl")
         jobs = self.chat_jobs(req, response_id)
+        self.check_capacity()  # after validation: a bad request is a 400, never a 429
         return self._stream(jobs, req, lambda c, o: self._chat_chunk(response_id, req, c, o))
 
     def _chat_chunk(

@@ -284,3 +284,70 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(
         assert _aborted(http) == aborted_before + 1
     finally:
         server.throttle.delay_s = 0.0
+
+
+LONE = "\\udcff"  # a JSON escape of a lone low surrogate: valid JSON, not valid Unicode
+SURROGATE_BODIES: list[tuple[str, str, str]] = [
+    ("/v1/completions", f'{{"prompt": "a{LONE}b"}}', "prompt"),
+    ("/v1/completions", f'{{"prompt": ["ok", "{LONE}"]}}', "prompt.1"),
+    ("/v1/completions", f'{{"prompt": "x", "stop": ["{LONE}"]}}', "stop.0"),
+    ("/v1/completions", f'{{"prompt": "x", "model": "{LONE}"}}', "model"),
+    ("/v1/completions", '{"prompt": "x", "user": "\\ud800"}', "user"),
+    ("/v1/completions", f'{{"prompt": "x", "{LONE}": 1}}', None),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}', "messages.0.content"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": "{LONE}"}}]}}]}}', "messages.0.content.0.text"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "name": "{LONE}", "content": "x"}}]}}', "messages.0.name"),
+    ("/tokenize", f'{{"prompt": "{LONE}"}}', "prompt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "param"), SURROGATE_BODIES, ids=lambda v: str(v)[:50])
+def test_lone_surrogates_are_400(
+    server: RealServer, http: httpx.Client, path: str, body: str, param: str | None
+) -> None:
+    for stream in (False, True):
+        raw = body if path == "/tokenize" or not stream else body[:-1] + ', "stream": true}'
+        error = error_of(post_raw(http, path, raw), 400)
+        assert error["param"] == param, error
+    assert server.engine.is_alive
+
+
+INVALID_UTF8 = [
+    b'{"prompt": "\xff"}',
+    b'{"prompt": "ab\xc3"}',
+    b'{"prompt": "\xed\xa0\x80"}',  # a surrogate encoded as UTF-8 bytes
+    b'{"messages": [{"role": "user", "content": "\xc0\xaf"}]}',
+    b'{"prompt": "x", "stop": ["\xfe"]}',
+]
+
+
+@pytest.mark.parametrize("raw", INVALID_UTF8, ids=repr)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_invalid_utf8_is_400(http: httpx.Client, path: str, raw: bytes) -> None:
+    error = error_of(post_raw(http, path, raw), 400)
+    assert "UTF-8" in error["message"] or "utf-8" in error["message"], error
+
+
+def test_invalid_requests_are_400_even_when_the_queue_is_full(
+    server: RealServer, http: httpx.Client
+) -> None:
+    """Validation comes before admission: a bad request is a 400, not a 429."""
+    server.throttle.delay_s = 0.02
+    body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
+    threads = [threading.Thread(target=http.post, args=("/v1/completions",), kwargs={"json": body}) for _ in range(4)]  # fmt: skip
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: server.engine.num_waiting >= 2, what="two waiting requests")
+        for path, bad in [
+            ("/v1/completions", {"prompt": "x", "max_tokens": 10_000}),
+            ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 10_000}),
+            ("/v1/completions", {"prompt": [1, 99999]}),
+        ]:
+            for stream in (False, True):
+                error_of(http.post(path, json=bad | {"stream": stream}), 400)
+        error_of(http.post("/v1/completions", json=body), 429)
+    finally:
+        server.throttle.delay_s = 0.0
+        for t in threads:
+            t.join(timeout=60)

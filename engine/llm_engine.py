@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
+from engine import structured
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -83,6 +84,7 @@ class LLMEngine:
             ),
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
             num_speculative_tokens=k,
+            constraint=structured.new_state(params.constraints, self.tokenizer),
         )
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]
@@ -96,6 +98,10 @@ class LLMEngine:
         vocab = self.target.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.constraints is not None and any(
+            not 0 <= t < vocab for t, _ in params.constraints.logit_bias
+        ):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -210,7 +216,8 @@ class LLMEngine:
         # accept while x_i == argmax p. Either way the emitted tokens follow p exactly.
         target_logits = rows[-(k + 1) :]  # [k + 1, vocab_size]
         history = verification_histories(seq.output_token_ids, proposal.token_ids)
-        target_probs = processed_probs(target_logits, [seq.params] * (k + 1), history)
+        constrained = structured.constrain_rows(seq, target_logits, proposal.token_ids)
+        target_probs = processed_probs(constrained, [seq.params] * (k + 1), history)
         draft_probs = self._match_vocab(proposal.probs, target_probs.shape[-1])
         tokens = verify(
             target_probs, proposal.token_ids, draft_probs, seq.params.greedy, seq.generator
@@ -254,6 +261,8 @@ class LLMEngine:
             return "stop", token
         if stop_string is not None:
             return "stop", stop_string
+        if structured.advance(seq, token):  # the grammar is complete
+            return "stop", None
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length", None
         return None

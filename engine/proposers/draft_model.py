@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import structured
 from engine.model_runner import ForwardInput, ModelRunner
 from engine.proposers.base import Proposal
 from engine.sampler import processed_probs, sample
@@ -84,6 +85,7 @@ class DraftModelProposer:
         history = [
             seq.output_token_ids + drafts[id(item)] for seq, item in zip(seqs, active, strict=True)
         ]
+        logits = structured.constrain_draft_logits(seqs, logits, [drafts[id(i)] for i in active])
         step_probs = processed_probs(logits, [seq.params for seq in seqs], history)
         tokens = sample(step_probs, [seq.generator for seq in seqs])
         # Confidence uses the raw draft distribution, so greedy (one-hot) rows are judged too.

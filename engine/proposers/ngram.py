@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine import structured
 from engine.config import SpeculativeConfig
 from engine.proposers.base import Proposal
 from engine.scheduler import ScheduledSeq
@@ -31,4 +32,4 @@ class NgramProposer:
         if item.num_spec_tokens == 0:
             return Proposal.empty()
         drafts = ngram_lookup(item.seq.token_ids, item.num_spec_tokens, self.n_min, self.n_max)
-        return Proposal(drafts)
+        return Proposal(structured.cut_drafts(item.seq, drafts))

@@ -93,6 +93,8 @@ def grammar_from(kind: str, spec: Any) -> str:
         return str(llguidance.LLMatcher.grammar_from_regex(spec))
     if kind == "choice":
         return str(llguidance.LLMatcher.grammar_from_lark(choice_lark(spec)))
+    if kind == "lark":
+        return str(llguidance.LLMatcher.grammar_from_lark(spec))
     if kind == "grammar":
         return str(llguidance.grammar_from("grammar", spec))
     raise ValueError(f"unknown grammar kind {kind!r}")

@@ -17,6 +17,7 @@ API_KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 256
 MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,25 @@ BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"prompt": "x " * 400, "max_tokens": 1}, "prompt"),
     ({"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
     ({"prompt": "x", "n": 64, "best_of": 2}, None),
-]
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"²": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({"prompt": "x", "logit_bias": {"5": "high"}}, "logit_bias.5"),
+    ({"prompt": "x", "logit_bias": [5]}, "logit_bias"),
+    ({"prompt": "x", "guided_regex": "(ab"}, "guided_regex"),
+    ({"prompt": "x", "guided_regex": 5}, "guided_regex"),
+    ({"prompt": "x", "guided_json": {"type": "wat"}}, "guided_json"),
+    ({"prompt": "x", "guided_json": "{not json"}, "guided_json"),
+    ({"prompt": "x", "guided_choice": []}, "guided_choice"),
+    ({"prompt": "x", "guided_grammar": "start: ( "}, "guided_grammar"),
+    ({"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, None),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, "response_format.json_schema.schema"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}}, "response_format.json_schema.schema"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS, ids=lambda v: json.dumps(v)[:40])
@@ -113,7 +132,18 @@ BAD_CHATS: list[tuple[Any, str | None]] = [
     ({"messages": MSG, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
     ({"messages": MSG, "n": -1}, "n"),
     ({"messages": [{"role": "user", "content": "x " * 400}]}, "prompt"),
-]
+    ({"messages": MSG, "logit_bias": {"400": 5}}, "logit_bias"),
+    ({"messages": MSG, "response_format": {"type": "json_object"}, "guided_regex": "a"}, None),
+    ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"messages": MSG, "tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, None),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f"}}]}]}, "messages.0.tool_calls.0.function.arguments"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("body", "param"), BAD_CHATS, ids=lambda v: json.dumps(v)[:40])

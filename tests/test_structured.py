@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import jsonschema
 import numpy as np
+import openai
 import pytest
 import torch
 from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
 from scipy import stats
+from server_utils import real_server
 from transformers import AutoTokenizer
 
 from engine import structured
@@ -286,3 +291,87 @@ def test_masks_follow_the_drafts_and_roll_back(tokenizer: object) -> None:
     assert torch.equal(allowed[-1], allowed[-2])  # past the refused draft: a copy, never empty
     assert structured.cut_drafts(SimpleNamespace(constraint=state), [*yes, bad]) == yes  # type: ignore[arg-type]
     assert state.matcher.validate_tokens(yes) == len(yes)  # rolled back to the start
+
+
+# ---- through the API (live server, n-gram speculation, openai SDK) ---------------------------
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir: Path) -> Iterator[openai.OpenAI]:
+    with real_server(tiny_model_dir, num_speculative_tokens=4) as live:
+        yield openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+
+
+MESSAGES: list[Any] = [{"role": "user", "content": "Give me a person as JSON."}]
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}  # fmt: skip
+
+
+def test_chat_json_schema_validates_and_streams_the_same(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+    r = client.chat.completions.create(response_format=RESPONSE_FORMAT, **kw)  # type: ignore[arg-type]
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop"
+    content = choice.message.content
+    assert content is not None
+    jsonschema.validate(json.loads(content), SCHEMA)
+    chunks = client.chat.completions.create(response_format=RESPONSE_FORMAT, stream=True, **kw)  # type: ignore[arg-type]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+    free = client.chat.completions.create(**kw).choices[0].message.content
+    assert free != content  # the grammar really changed the output
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sampled_json_schema_outputs_all_validate(client: openai.OpenAI, seed: int) -> None:
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, n=3,
+        response_format=RESPONSE_FORMAT,  # type: ignore[arg-type]
+    )  # fmt: skip
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
+
+
+def test_json_object(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model="tiny", prompt="JSON:", max_tokens=200, temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )  # fmt: skip
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:
+        assert r.choices[0].text.startswith("{")
+
+
+def test_guided_regex_choice_and_grammar(client: openai.OpenAI) -> None:
+    def complete(**extra: Any) -> str:
+        r = client.completions.create(
+            model="tiny", prompt="Answer:", max_tokens=40, temperature=0.8, extra_body=extra
+        )
+        assert r.choices[0].finish_reason == "stop"
+        return r.choices[0].text
+
+    assert re.fullmatch(r"\d{3}-[a-z]{2}", complete(guided_regex=r"\d{3}-[a-z]{2}"))
+    for _ in range(3):
+        assert complete(guided_choice=["yes", "no", "maybe"]) in ("yes", "no", "maybe")
+    lark = 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,2}/'
+    assert re.fullmatch(r"\(\d{1,2}(\+\d{1,2})*\)", complete(guided_grammar=lark))
+    text = complete(guided_json={"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"], "additionalProperties": False})  # fmt: skip
+    assert json.loads(text)["k"] in (1, 2)
+
+
+def test_logit_bias_through_the_api(client: openai.OpenAI) -> None:
+    tokens = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=8, temperature=1.0,
+        logit_bias={"300": 100}, extra_body={"ignore_eos": True, "return_token_ids": True},
+    ).choices[0].model_extra["token_ids"]  # fmt: skip
+    assert tokens == [300] * 8
+    free = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    ).choices[0].model_extra["token_ids"]  # fmt: skip
+    banned = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=8, temperature=0,
+        logit_bias={str(t): -100 for t in free},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    ).choices[0].model_extra["token_ids"]  # fmt: skip
+    assert not set(banned) & set(free)

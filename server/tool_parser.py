@@ -1,6 +1,7 @@
 """Tool calls in Qwen2.5's (Hermes) format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 
-One incremental parser serves both paths: a stream feeds it each text delta (several tokens may
+Content loses leading and trailing whitespace. `</tool_call>` inside an argument string would end
+the call early (the parser does not track JSON strings). One incremental parser serves both paths: a stream feeds it each text delta (several tokens may
 arrive in one speculative step), a full response feeds it the whole text at once; so the streamed
 fragments always reassemble to the non-streamed message. `arguments` is the model's own JSON text
 for the arguments object (not re-serialized), which is what lets fragments stream as they come.
@@ -52,6 +53,8 @@ class ToolCallParser:
     num_calls: int = 0  # calls whose header was emitted
     args_start: int | None = None  # where the current call's arguments begin
     args_sent: int = 0  # characters of the current call's arguments emitted
+    content_started: bool = False
+    pending_space: str = ""  # whitespace after content: sent only if more content follows
 
     def feed(self, delta: str) -> ParsedDelta:
         self.text += delta
@@ -67,7 +70,7 @@ class ToolCallParser:
         if self.in_call and self.args_start is not None:  # cut short: send what there is
             self._send_args(out, self.text[self.args_start :].strip())
         elif self.pos < len(self.text):
-            out.content += self.text[self.pos :]
+            self._send_content(out, self.text[self.pos :])
         self.pos = len(self.text)
         return out
 
@@ -85,10 +88,10 @@ class ToolCallParser:
         start = self.text.find(START, self.pos)
         if start < 0:
             safe = len(self.text) if final else len(self.text) - _partial_suffix(self.text, START)
-            out.content += self.text[self.pos : max(safe, self.pos)]
+            self._send_content(out, self.text[self.pos : max(safe, self.pos)])
             self.pos = max(safe, self.pos)
             return False
-        out.content += self.text[self.pos : start]
+        self._send_content(out, self.text[self.pos : start])
         self.pos, self.in_call = start + len(START), True
         self.args_start, self.args_sent = None, 0
         return True
@@ -119,12 +122,23 @@ class ToolCallParser:
             name, arguments = call["name"], call.get("arguments", {})
             assert isinstance(name, str)
         except (ValueError, KeyError, TypeError, AssertionError):
-            out.content += START + body + END
+            self._send_content(out, START + body + END)
         else:
             self._send_header(out, name)
             self._send_args(out, json.dumps(arguments, ensure_ascii=False))
         self.pos, self.in_call = end + len(END), False
         return True
+
+    def _send_content(self, out: ParsedDelta, text: str) -> None:
+        """Content without leading or trailing whitespace (as the full parse strips it)."""
+        text = self.pending_space + text
+        if not self.content_started:
+            text = text.lstrip()
+        kept = text.rstrip()
+        self.pending_space = text[len(kept) :]
+        if kept:
+            out.content += kept
+            self.content_started = True
 
     def _send_header(self, out: ParsedDelta, name: str) -> None:
         call_id = f"call_{uuid.uuid4().hex[:24]}"
@@ -183,7 +197,7 @@ def parse_message(text: str) -> ParsedMessage:
             function = {"name": delta.name, "arguments": ""}
             calls.append({"id": delta.id, "type": "function", "function": function})
         calls[delta.index]["function"]["arguments"] += delta.arguments
-    return ParsedMessage(content.strip() or None, calls)
+    return ParsedMessage(content or None, calls)
 
 
 # ---------------------------------------------------------------------------- grammars

@@ -1,10 +1,11 @@
 """Tool calls in Qwen2.5's (Hermes) format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 
-Content loses leading and trailing whitespace. `</tool_call>` inside an argument string would end
-the call early (the parser does not track JSON strings). One incremental parser serves both paths: a stream feeds it each text delta (several tokens may
+One incremental parser serves both paths: a stream feeds it each text delta (several tokens may
 arrive in one speculative step), a full response feeds it the whole text at once; so the streamed
 fragments always reassemble to the non-streamed message. `arguments` is the model's own JSON text
 for the arguments object (not re-serialized), which is what lets fragments stream as they come.
+Content loses leading and trailing whitespace. A `</tool_call>` inside an argument string would
+end the call early (the parser does not track JSON strings).
 
 The grammar for `tool_choice` "required" or a named function is written in the same format.
 """

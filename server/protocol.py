@@ -38,6 +38,11 @@ MAX_LOGPROBS = 20
 MAX_N = 64
 
 
+def _none(value: Any) -> bool:
+    """For fields OpenAI declares non-nullable: omitted rather than null."""
+    return value is None
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -455,9 +460,9 @@ class _Response(BaseModel):
     object: str
     created: int = Field(default_factory=now)
     model: str
-    system_fingerprint: str | None = None
+    system_fingerprint: str | None = Field(default=None, exclude_if=_none)  # a string or absent
     choices: list[Any]
-    usage: UsageInfo | None = None
+    usage: UsageInfo | None = Field(default=None, exclude_if=_none)
     spec_decode: SpecDecodeSummary | None = None
 
 
@@ -504,10 +509,6 @@ class ChatCompletionResponse(_Response):
     prompt_token_ids: list[int] | None = None
 
 
-def _none(value: Any) -> bool:
-    return value is None
-
-
 class DeltaFunctionCall(BaseModel):
     name: str | None = Field(default=None, exclude_if=_none)
     arguments: str | None = Field(default=None, exclude_if=_none)
@@ -523,7 +524,7 @@ class DeltaToolCall(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_none)
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_none)
 

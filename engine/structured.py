@@ -17,6 +17,7 @@ have (the model's vocabulary padding) are always masked.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,10 @@ JSON_OPTIONS: dict[str, Any] = {
 }
 MAX_BIAS = 100.0
 
-_tokenizers: dict[int, tuple[object, llguidance.LLTokenizer]] = {}
+# llama.cpp names the rows that pad a GGUF vocabulary `[PAD<id>]`; converted, they look like text.
+_PADDING = re.compile(r"\[PAD\d+\]")
+
+_tokenizers: dict[int, tuple[object, llguidance.LLTokenizer, int]] = {}
 _tokenizers_lock = threading.Lock()
 
 
@@ -55,7 +59,8 @@ class ConstraintState:
 
     constraints: Constraints
     matcher: llguidance.LLMatcher | None
-    vocab_size: int  # the tokenizer's: rows beyond it are vocabulary padding
+    vocab_size: int  # real tokens: rows at and beyond it are vocabulary padding, always masked
+    matcher_vocab: int  # the grammar tokenizer's size (the bitmask's width in bits, rounded up)
     bias_ids: Tensor = field(init=False)  # [num_biased] long
     bias_values: Tensor = field(init=False)  # [num_biased] float32
 
@@ -74,13 +79,27 @@ class ConstraintState:
 
 
 def grammar_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
-    """llguidance's view of a HF tokenizer: built once per tokenizer (about a second for 150k
-    tokens), so callers on an event loop should first call it in a thread."""
+    """llguidance's view of a HF tokenizer: built once per tokenizer (seconds for 150k tokens),
+    so callers on an event loop should first call it in a thread."""
+    return _tokenizer_info(tokenizer)[1]
+
+
+def real_vocab_size(tokenizer: Any) -> int:
+    """Token ids below it are real tokens; at and above it, vocabulary padding."""
+    return _tokenizer_info(tokenizer)[2]
+
+
+def _tokenizer_info(tokenizer: Any) -> tuple[object, llguidance.LLTokenizer, int]:
     key = id(tokenizer)
     with _tokenizers_lock:
         if key not in _tokenizers:
-            _tokenizers[key] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer))
-        return _tokenizers[key][1]
+            ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+            size = min(len(tokenizer), ll_tokenizer.vocab_size)
+            tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
+            while size > 0 and _PADDING.fullmatch(str(tokens[size - 1])):
+                size -= 1
+            _tokenizers[key] = (tokenizer, ll_tokenizer, size)
+        return _tokenizers[key]
 
 
 def grammar_from(kind: str, spec: Any) -> str:
@@ -116,14 +135,13 @@ def new_state(constraints: Constraints | None, tokenizer: Any) -> ConstraintStat
     if constraints is None:
         return None
     matcher = None
-    vocab_size = len(tokenizer)
+    ll_tokenizer = grammar_tokenizer(tokenizer)
     if constraints.grammar is not None:
-        ll_tokenizer = grammar_tokenizer(tokenizer)
         matcher = llguidance.LLMatcher(ll_tokenizer, constraints.grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid grammar: {matcher.get_error()}")
-        vocab_size = ll_tokenizer.vocab_size
-    return ConstraintState(constraints, matcher, vocab_size)
+    vocab_size = real_vocab_size(tokenizer)
+    return ConstraintState(constraints, matcher, vocab_size, ll_tokenizer.vocab_size)
 
 
 # ---------------------------------------------------------------------------- the hooks
@@ -142,8 +160,9 @@ def constrain_rows(
     if state.bias_ids.numel():
         logits[:, state.bias_ids.to(logits.device)] += state.bias_values.to(logits.device)
     if state.matcher is None or state.matcher.is_error():
+        logits[:, state.vocab_size :] = -float("inf")
         return logits
-    bitmask = fill_bitmasks(state.matcher, draft_ids, logits.shape[0], state.vocab_size)
+    bitmask = fill_bitmasks(state.matcher, draft_ids, logits.shape[0], state.matcher_vocab)
     return apply_bitmask(logits, bitmask, state.vocab_size)
 
 
@@ -192,10 +211,10 @@ def forced_tokens(seq: Sequence, k: int) -> list[int]:
 
 
 def fill_bitmasks(
-    matcher: llguidance.LLMatcher, draft_ids: list[int], num_rows: int, vocab_size: int
-) -> Tensor:  # [num_rows, ceil(vocab_size / 32)] int32
+    matcher: llguidance.LLMatcher, draft_ids: list[int], num_rows: int, matcher_vocab: int
+) -> Tensor:  # [num_rows, ceil(matcher_vocab / 32)] int32
     """Row i: the mask after draft_ids[:i]. The matcher ends where it started."""
-    bitmask = torch.zeros((num_rows, (vocab_size + 31) // 32), dtype=torch.int32)
+    bitmask = torch.zeros((num_rows, (matcher_vocab + 31) // 32), dtype=torch.int32)
     consumed, legal = 0, True
     for i in range(num_rows):
         if i > 0 and legal:

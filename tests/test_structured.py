@@ -23,6 +23,7 @@ import torch
 from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
 from scipy import stats
 from server_utils import real_server
+from tiny import build_tiny_tokenizer
 from transformers import AutoTokenizer
 
 from engine import structured
@@ -182,7 +183,7 @@ def exact_masked_pairs(model_dir: Path, tokenizer: object, prompt: list[int]) ->
         logits = model(torch.tensor([prompt])).logits[0, -1:]  # [1, V]
         masked = structured.apply_bitmask(
             logits,
-            structured.fill_bitmasks(state.matcher, [], 1, state.vocab_size),
+            structured.fill_bitmasks(state.matcher, [], 1, state.matcher_vocab),
             len(tokenizer),  # type: ignore[arg-type]
         )
         first = torch.softmax(masked[0] / TEMPERATURE, -1)
@@ -190,7 +191,7 @@ def exact_masked_pairs(model_dir: Path, tokenizer: object, prompt: list[int]) ->
         probs = torch.zeros((vocab, vocab), dtype=torch.float64)
         for t1 in first.nonzero().flatten().tolist():
             row = model(torch.tensor([prompt + [t1]])).logits[0, -1:]
-            mask = structured.fill_bitmasks(state.matcher, [t1], 2, state.vocab_size)[1:]
+            mask = structured.fill_bitmasks(state.matcher, [t1], 2, state.matcher_vocab)[1:]
             second = torch.softmax(structured.apply_bitmask(row, mask, vocab)[0] / TEMPERATURE, -1)
             probs[t1] = first[t1].double() * second.double()
     return probs.numpy()
@@ -283,7 +284,7 @@ def test_masks_follow_the_drafts_and_roll_back(tokenizer: object) -> None:
     assert state is not None and state.matcher is not None
     yes = tokenizer.encode("yes")  # type: ignore[attr-defined]
     bad = tokenizer.encode("x")[0]  # type: ignore[attr-defined]
-    masks = structured.fill_bitmasks(state.matcher, [*yes, bad], len(yes) + 2, state.vocab_size)
+    masks = structured.fill_bitmasks(state.matcher, [*yes, bad], len(yes) + 2, state.matcher_vocab)
     allowed = structured.allowed_tokens(masks, len(tokenizer), state.vocab_size)  # type: ignore[arg-type]
     for i, token in enumerate(yes):
         assert allowed[i, token]
@@ -375,3 +376,20 @@ def test_logit_bias_through_the_api(client: openai.OpenAI) -> None:
         extra_body={"ignore_eos": True, "return_token_ids": True},
     ).choices[0].model_extra["token_ids"]  # fmt: skip
     assert not set(banned) & set(free)
+
+
+def test_gguf_padding_tokens_are_masked(tmp_path: Path) -> None:
+    """A converted GGUF vocabulary ends in `[PAD<id>]` text tokens: never allowed, even where
+    the grammar would take their text."""
+    tokenizer = build_tiny_tokenizer(tmp_path)
+    real = len(tokenizer)
+    tokenizer.add_tokens([f"[PAD{i}]" for i in range(real, real + 12)])
+    assert structured.real_vocab_size(tokenizer) == real
+    state = structured.new_state(Constraints(grammar=grammar_from("regex", r"[\[\]A-Z0-9]*")), tokenizer)  # fmt: skip
+    assert state is not None and state.matcher is not None
+    logits = torch.zeros((1, len(tokenizer) + 20))
+    rows = structured.constrain_rows(SimpleNamespace(constraint=state), logits, [])  # type: ignore[arg-type]
+    assert torch.isinf(rows[0, real:]).all() and torch.isfinite(rows[0, :real]).any()
+    bias_only = structured.new_state(Constraints(logit_bias=((5, 1.0),)), tokenizer)
+    rows = structured.constrain_rows(SimpleNamespace(constraint=bias_only), logits, [])  # type: ignore[arg-type]
+    assert torch.isinf(rows[0, real:]).all() and rows[0, 5] == 1.0

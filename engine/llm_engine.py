@@ -16,6 +16,7 @@ from engine.loader import load_model
 from engine.model_runner import ForwardInput, ModelRunner
 from engine.outputs import RequestOutput, RequestTimes, SpecStats, StepStats, TokenLogprob
 from engine.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
+from engine.proposers.forced import ForcedDraftProposer
 from engine.rejection_sampler import verify
 from engine.sampler import logprobs_of, processed_probs, verification_histories
 from engine.sampling_params import SamplingParams
@@ -50,7 +51,7 @@ class LLMEngine:
             if spec.enabled and spec.adaptive
             else None
         )
-        self.proposer: Proposer = self._build_proposer()
+        self.proposer: Proposer = ForcedDraftProposer(self._build_proposer())
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
             runner.allocate_kv_cache(num_blocks)

@@ -393,3 +393,36 @@ def test_gguf_padding_tokens_are_masked(tmp_path: Path) -> None:
     bias_only = structured.new_state(Constraints(logit_bias=((5, 1.0),)), tokenizer)
     rows = structured.constrain_rows(SimpleNamespace(constraint=bias_only), logits, [])  # type: ignore[arg-type]
     assert torch.isinf(rows[0, real:]).all() and rows[0, 5] == 1.0
+
+
+# ---- grammar-forced tokens are free drafts ---------------------------------------------------
+
+FORCING = {
+    "type": "object",
+    "properties": {
+        "a_rather_long_property_name": {"const": "the only value it may take"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "another_fixed_key": {"enum": ["yes indeed"]},
+    },
+    "required": ["a_rather_long_property_name", "n", "another_fixed_key"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+def test_forced_tokens_are_drafted_and_stay_exact(
+    kind: str, plain: LLMEngine, tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
+) -> None:
+    engine = spec_engine(kind, tiny_model_dir, tiny_draft_dir, 6)
+    prompts = random_prompts(4, (3, 20), vocab, seed=83)
+    constraints = Constraints(grammar=grammar_from("json", FORCING))
+    params = SamplingParams(max_tokens=80, temperature=0.0, constraints=constraints)
+    seqs = engine.generate(prompts, params)
+    assert [s.output_token_ids for s in seqs] == outputs(plain, prompts, params)
+    for seq in seqs:
+        assert seq.finish_reason == "stop"
+        # Most of the output is forced: drafted and accepted, few steps.
+        assert seq.spec.num_accepted_tokens >= seq.num_output_tokens // 2
+    sampled = SamplingParams(max_tokens=80, temperature=1.0, seed=5, constraints=constraints)
+    for seq in engine.generate(prompts, sampled):
+        assert json.loads(engine.tokenizer.decode(seq.output_token_ids))["n"] in range(10)

@@ -344,6 +344,10 @@ class ChatCompletionRequest(SamplingFields):
         """Tools are shown to the model and its output parsed for calls."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def tool_names(self) -> frozenset[str]:
+        return frozenset(t.function.name for t in self.tools or [])
+
     def forced_tools(self) -> list[FunctionDefinition]:
         """The functions a grammar must hold the output to: all (required) or one (named)."""
         tools = [t.function for t in self.tools or []]

@@ -97,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
         message = ChatResponseMessage(content=c.text)
         finish_reason = c.finish_reason
         if req.uses_tools:
-            parsed = parse_message(c.text)
+            parsed = parse_message(c.text, req.tool_names)
             calls = [ToolCall.model_validate(call) for call in parsed.calls]
             message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
             finish_reason = _finish_reason(finish_reason, bool(calls))
@@ -119,7 +119,7 @@ class OpenAIServingChat(OpenAIServing):
         delta = DeltaMessage(role="assistant" if first else None, content=out.new_text)
         finish_reason = c.finish_reason
         if req.uses_tools:
-            delta, has_calls = _tool_delta(c, out)
+            delta, has_calls = _tool_delta(c, out, req.tool_names)
             delta.role = "assistant" if first else None
             finish_reason = _finish_reason(finish_reason, has_calls)
         choice = ChatChunkChoice(
@@ -159,10 +159,12 @@ class OpenAIServingChat(OpenAIServing):
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
 
-def _tool_delta(c: Choice, out: RequestOutput) -> tuple[DeltaMessage, bool]:
+def _tool_delta(
+    c: Choice, out: RequestOutput, tool_names: frozenset[str]
+) -> tuple[DeltaMessage, bool]:
     """This output's text through the choice's tool-call parser (one per choice)."""
     if c.state is None:
-        c.state = ToolCallParser()
+        c.state = ToolCallParser(tool_names=tool_names)
     parser: ToolCallParser = c.state
     parsed = parser.feed(out.new_text)
     if out.finished:

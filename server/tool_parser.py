@@ -56,6 +56,9 @@ class ToolCallParser:
     args_sent: int = 0  # characters of the current call's arguments emitted
     content_started: bool = False
     pending_space: str = ""  # whitespace after content: sent only if more content follows
+    # Given the tools' names, a reply that is only a call as bare JSON (or fenced ```json) counts
+    # too: small models often drop the tags. Such a reply is held back until it is complete.
+    tool_names: frozenset[str] = frozenset()
 
     def feed(self, delta: str) -> ParsedDelta:
         self.text += delta
@@ -66,6 +69,13 @@ class ToolCallParser:
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
+        if self._maybe_bare_call():
+            call = _bare_call(self.text[self.pos :], self.tool_names)
+            if call is not None:
+                self._send_header(out, call[0])
+                self._send_args(out, call[1])
+                self.pos = len(self.text)
+                return out
         while self._advance(out, final=True):
             pass
         if self.in_call and self.args_start is not None:  # cut short: send what there is
@@ -85,8 +95,14 @@ class ToolCallParser:
             return self._advance_text(out, final)
         return self._advance_call(out, final)
 
+    def _maybe_bare_call(self) -> bool:
+        rest = self.text[self.pos :].lstrip()
+        return bool(self.tool_names) and not self.content_started and rest[:1] in ("{", "`", "")
+
     def _advance_text(self, out: ParsedDelta, final: bool) -> bool:
         start = self.text.find(START, self.pos)
+        if start < 0 and not final and self._maybe_bare_call():
+            return False
         if start < 0:
             safe = len(self.text) if final else len(self.text) - _partial_suffix(self.text, START)
             self._send_content(out, self.text[self.pos : max(safe, self.pos)])
@@ -152,6 +168,25 @@ class ToolCallParser:
             self.args_sent = len(arguments)
 
 
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
+
+
+def _bare_call(text: str, names: frozenset[str]) -> tuple[str, str] | None:
+    """(name, arguments) if text is one call to a known tool as bare or fenced JSON."""
+    text = text.strip()
+    fenced = _FENCE.fullmatch(text)
+    try:
+        call = json.loads(fenced.group(1) if fenced else text)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or call.get("name") not in names:
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return str(call["name"]), json.dumps(arguments, ensure_ascii=False)
+
+
 def _json_string(quoted: str) -> str | None:
     try:
         value = json.loads(quoted)
@@ -187,9 +222,9 @@ class ParsedMessage:
     calls: list[dict[str, Any]]  # OpenAI tool_calls: id, type, function {name, arguments}
 
 
-def parse_message(text: str) -> ParsedMessage:
+def parse_message(text: str, tool_names: frozenset[str] = frozenset()) -> ParsedMessage:
     """A whole response: content and tool calls, exactly as a stream would have sent them."""
-    parser = ToolCallParser()
+    parser = ToolCallParser(tool_names=tool_names)
     deltas = [parser.feed(text), parser.finish()]
     content = "".join(d.content for d in deltas)
     calls: list[dict[str, Any]] = []

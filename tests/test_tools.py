@@ -243,12 +243,34 @@ def test_parse_message() -> None:
     assert parse_message(TEXTS[5]).content == TEXTS[5]
 
 
-@pytest.mark.parametrize("text", TEXTS)
+BARE = [
+    '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+    '  {"name": "get_time", "arguments": {"zone": 2}}',
+    '{"name": "unknown_tool", "arguments": {}}',
+    '{"not": "a call"}',
+    "``` not json ```",
+]
+
+
+def test_bare_json_calls_of_known_tools() -> None:
+    names = frozenset({"get_weather", "get_time"})
+    weather = parse_message(BARE[0], names)
+    assert weather.content is None
+    assert weather.calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert parse_message(BARE[1], names).calls[0]["function"]["name"] == "get_time"
+    for text in BARE[2:]:
+        parsed = parse_message(text, names)
+        assert not parsed.calls and parsed.content == text.strip()
+    assert not parse_message(BARE[0]).calls  # without tools: just text
+
+
+@pytest.mark.parametrize("text", TEXTS + BARE)
 def test_any_chunking_streams_what_the_full_parse_gives(text: str) -> None:
-    full = parse_message(text)
+    names = frozenset({"get_weather", "get_time", "a", "b", "s", "f"})
+    full = parse_message(text, names)
     rng = random.Random(0)
     for _ in range(100):
-        parser, deltas, i = ToolCallParser(), [], 0
+        parser, deltas, i = ToolCallParser(tool_names=names), [], 0
         while i < len(text):
             size = rng.randint(1, 8)
             deltas.append(parser.feed(text[i : i + size]))

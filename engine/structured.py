@@ -17,6 +17,7 @@ have (the model's vocabulary padding) are always masked.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ": ",
 }
 MAX_BIAS = 100.0
+log = logging.getLogger("specserve.engine")
 
 # llama.cpp names the rows that pad a GGUF vocabulary `[PAD<id>]`; converted, they look like text.
 _PADDING = re.compile(r"\[PAD\d+\]")
@@ -82,6 +84,15 @@ def grammar_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
     """llguidance's view of a HF tokenizer: built once per tokenizer (seconds for 150k tokens),
     so callers on an event loop should first call it in a thread."""
     return _tokenizer_info(tokenizer)[1]
+
+
+def warm_up(tokenizer: Any) -> None:
+    """Build the tokenizer's grammar view now (call in a thread at startup), so that neither the
+    event loop nor the engine's step loop ever waits for it."""
+    try:
+        _tokenizer_info(tokenizer)
+    except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot take: requests say so
+        log.warning("grammar support unavailable for this tokenizer: %s", exc)
 
 
 def real_vocab_size(tokenizer: Any) -> int:
@@ -134,13 +145,12 @@ def new_state(constraints: Constraints | None, tokenizer: Any) -> ConstraintStat
     """The state for a new request (hook: `Sequence.constraint` in `LLMEngine.add_request`)."""
     if constraints is None:
         return None
+    _, ll_tokenizer, vocab_size = _tokenizer_info(tokenizer)
     matcher = None
-    ll_tokenizer = grammar_tokenizer(tokenizer)
     if constraints.grammar is not None:
         matcher = llguidance.LLMatcher(ll_tokenizer, constraints.grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid grammar: {matcher.get_error()}")
-    vocab_size = real_vocab_size(tokenizer)
     return ConstraintState(constraints, matcher, vocab_size, ll_tokenizer.vocab_size)
 
 

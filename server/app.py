@@ -20,6 +20,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine import structured
 from server.errors import APIError, bad_request, not_ready
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import (
@@ -123,6 +124,8 @@ def create_app(
 
 async def _attach(state: ServerState, engine: AsyncLLM) -> None:
     engine.add_step_listener(state.metrics.on_step)
+    warm = asyncio.create_task(asyncio.to_thread(structured.warm_up, engine.tokenizer))
+    state.background.add(warm)
     await engine.start()
     state.engine = engine
     state.serving = Endpoints.build(engine, state.settings, state.metrics)

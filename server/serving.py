@@ -160,8 +160,11 @@ class OpenAIServing:
             raise bad_request(
                 f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias"
             )
+        if grammar is None and not bias:
+            return None
+        await asyncio.to_thread(structured.warm_up, self.tokenizer)  # once per model; then free
         if grammar is None:
-            return Constraints(logit_bias=bias) if bias else None
+            return Constraints(logit_bias=bias)
         try:
             text = structured.grammar_from(grammar.kind, grammar.spec)
             await asyncio.to_thread(structured.check_grammar, text, self.tokenizer)

@@ -185,7 +185,7 @@ def constrain_draft_logits(
     if all(seq.constraint is None for seq in seqs):
         return logits
     rows = [
-        constrain_rows(seq, logits[i : i + 1], drafted)
+        constrain_rows(seq, logits[i : i + 1].float(), drafted)
         for i, (seq, drafted) in enumerate(zip(seqs, drafts, strict=True))
     ]
     return torch.cat(rows)

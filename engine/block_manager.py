@@ -4,6 +4,10 @@ A block is a fixed run of `block_size` token positions in every layer's KV pool.
 by a hash of its tokens chained with its parent's key, so two requests with a common prompt prefix
 share those blocks by reference count. A freed block keeps its key until it is reused, so a later
 request with the same prefix can still find it (least recently freed blocks are reused first).
+
+A draft model keeps its own KV pool on the same block ids, but a cached block holds the draft's K/V
+only if some request's draft computed them: `_draft_computed` says which. A request that reuses a
+cached prefix starts its draft at the first block the draft never computed and catches up from there.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._key_of: dict[int, BlockKey] = {}  # block id -> its key, for cached full blocks
         self._block_of: dict[BlockKey, int] = {}  # key -> block id
+        self._draft_computed: set[int] = set()  # cached blocks whose draft K/V are valid
         self.num_hit_queries = 0  # prompt tokens looked up in the prefix cache, ever
         self.num_hit_tokens = 0  # of those, found
         self._reported = (0, 0)  # totals at the last take_lookup_stats()
@@ -55,6 +60,24 @@ class BlockManager:
             blocks.append(block)
             parent = hash(key)
         return blocks
+
+    def chain_hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        """The chain hashes of the first num_blocks full blocks of token_ids."""
+        hashes: list[int] = []
+        parent: int | None = None
+        for i in range(num_blocks):
+            parent = hash(
+                (parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))
+            )
+            hashes.append(parent)
+        return hashes
+
+    def num_draft_computed(self, blocks: list[int]) -> int:
+        """How many leading blocks of a matched prefix also hold the draft's K/V."""
+        n = 0
+        while n < len(blocks) and blocks[n] in self._draft_computed:
+            n += 1
+        return n
 
     def acquire(self, blocks: list[int]) -> None:
         """Take a reference on blocks found by match_prefix."""
@@ -97,13 +120,18 @@ class BlockManager:
         block_table.clear()
 
     def cache_full_blocks(
-        self, token_ids: list[int], block_table: list[int], num_computed: int
+        self,
+        token_ids: list[int],
+        block_table: list[int],
+        block_hashes: list[int],  # the request's registered blocks' chain hashes; extended in place
+        num_computed: int,
     ) -> None:
-        """Register every full block whose K/V are computed, so later requests can share it."""
+        """Register the full blocks whose K/V are computed, resuming after the last registered one."""
         if not self.enable_prefix_caching:
             return
-        parent: int | None = None
-        for i in range(min(num_computed // self.block_size, len(block_table))):
+        parent = block_hashes[-1] if block_hashes else None
+        num_full = min(num_computed, len(token_ids)) // self.block_size
+        for i in range(len(block_hashes), min(num_full, len(block_table))):
             key = (parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))
             block = block_table[i]
             if self._key_of.get(block) != key and key not in self._block_of:
@@ -111,6 +139,16 @@ class BlockManager:
                 self._key_of[block] = key
                 self._block_of[key] = block
             parent = hash(key)
+            block_hashes.append(parent)
+
+    def mark_draft_computed(self, block_table: list[int], start: int, num_computed: int) -> int:
+        """Flag the cached blocks in [start, num_computed // block_size) as holding draft K/V;
+        returns the new start (blocks flagged so far)."""
+        end = min(num_computed // self.block_size, len(block_table))
+        for block in block_table[start:end]:
+            if block in self._key_of:
+                self._draft_computed.add(block)
+        return max(start, end)
 
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
         self.num_hit_queries += num_queried
@@ -123,6 +161,7 @@ class BlockManager:
         return self.num_hit_queries - queried, self.num_hit_tokens - hit
 
     def _forget(self, block: int) -> None:
+        self._draft_computed.discard(block)
         key = self._key_of.pop(block, None)
         if key is not None and self._block_of.get(key) == block:
             del self._block_of[key]

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-SpecMethod = Literal["none", "draft", "ngram"]
+SpecMethod = Literal["none", "draft", "ngram", "hybrid"]
+# The proposers each method runs: hybrid takes an n-gram match where there is one, else the draft.
+PROPOSERS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "draft": ("draft",),
+    "ngram": ("ngram",),
+    "hybrid": ("ngram", "draft"),
+}
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -26,18 +33,22 @@ class SpeculativeConfig:
     draft_p_min: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.method not in ("none", "draft", "ngram"):
+        if self.method not in PROPOSERS:
             raise ValueError(
-                f"speculative method must be none, draft or ngram, not {self.method!r}"
+                f"speculative method must be none, draft, ngram or hybrid, not {self.method!r}"
             )
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("speculative method 'draft' needs a draft_model")
+        if "draft" in self.proposers and not self.draft_model:
+            raise ValueError(f"speculative method {self.method!r} needs a draft_model")
         if not 0.0 <= self.draft_p_min < 1.0:
             raise ValueError("draft_p_min must be in [0, 1)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+
+    @property
+    def proposers(self) -> tuple[str, ...]:
+        return PROPOSERS[self.method]
 
     @property
     def enabled(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -15,13 +16,14 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model
 from engine.model_runner import ForwardInput, ModelRunner
 from engine.outputs import RequestOutput, RequestTimes, SpecStats, StepStats, TokenLogprob
-from engine.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
+from engine.proposers import DraftModelProposer, HybridProposer, NgramProposer, Proposal, Proposer
 from engine.proposers.forced import ForcedDraftProposer
-from engine.rejection_sampler import verify
-from engine.sampler import logprobs_of, processed_probs, verification_histories
+from engine.rejection_sampler import verify_batch
+from engine.sampler import logprobs_of
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+from engine.spec_k import RequestKPolicy
 from engine.spec_policy import SpeculationPolicy
 
 log = logging.getLogger("specserve.engine")
@@ -51,6 +53,7 @@ class LLMEngine:
             if spec.enabled and spec.adaptive
             else None
         )
+        self.request_k = RequestKPolicy(spec.proposers) if spec.enabled and spec.adaptive else None
         self.proposer: Proposer = ForcedDraftProposer(self._build_proposer())
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
@@ -58,7 +61,9 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.policy)
+        self.scheduler = Scheduler(
+            config, self.block_manager, self.max_model_len, self.policy, self.request_k
+        )
         self.seqs: dict[str, Sequence] = {}
         self.last_stats: StepStats | None = None
         log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
@@ -126,19 +131,41 @@ class LLMEngine:
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         proposals = self.proposer.propose(batch.scheduled)
+        drafted = time.perf_counter()
         logits = self.target.forward(self._verify_inputs(batch.scheduled, proposals))
         stats = self._accept(batch.scheduled, proposals, logits)
         stats.num_preemptions = batch.num_preempted
-        self._observe(batch.scheduled, stats, time.perf_counter() - started)
+        finished = time.perf_counter()
+        self._observe(batch.scheduled, proposals, stats, drafted - started, finished - drafted)
         self.last_stats = stats
         return [self._output(item.seq) for item in batch.scheduled if self._has_news(item.seq)]
 
-    def _observe(self, batch: list[ScheduledSeq], stats: StepStats, seconds: float) -> None:
-        """Feed decode-only steps to the speculation policy (prompt chunks would swamp it)."""
-        if self.policy is None or not batch or any(item.num_new_tokens > 1 for item in batch):
+    def _observe(
+        self,
+        batch: list[ScheduledSeq],
+        proposals: list[Proposal],
+        stats: StepStats,
+        propose_seconds: float,
+        verify_seconds: float,
+    ) -> None:
+        """Feed decode-only steps to the speculation policies (prompt chunks would swamp them)."""
+        if not batch or any(item.num_new_tokens > 1 for item in batch):
             return
-        speculated = any(item.num_spec_tokens > 0 for item in batch)
-        self.policy.observe(len(batch), speculated, stats.num_generation_tokens, seconds)
+        drafted: dict[str, int] = {}
+        for proposal in proposals:
+            if proposal.token_ids:
+                drafted[proposal.source] = drafted.get(proposal.source, 0) + len(proposal.token_ids)
+        speculated = bool(drafted)
+        seconds = propose_seconds + verify_seconds
+        if self.policy is not None:
+            self.policy.observe(len(batch), speculated, stats.num_generation_tokens, seconds)
+        if self.request_k is None:
+            return
+        if not speculated:
+            self.request_k.cost.observe_plain(len(batch), seconds)
+        elif len(drafted) == 1:  # a mixed hybrid step cannot tell the two proposers' costs apart
+            per_source = dict.fromkeys(drafted, propose_seconds)
+            self.request_k.cost.observe_speculative(len(batch), drafted, per_source, verify_seconds)
 
     def generate(
         self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
@@ -176,12 +203,13 @@ class LLMEngine:
         proposals: list[Proposal],
         logits: torch.Tensor,  # [sum(num_logits), vocab_size]
     ) -> StepStats:
+        verified = self._verify(batch, proposals, logits)
         spec, num_prompt, num_emitted, offset = SpecStats(), 0, 0, 0
-        for item, proposal in zip(batch, proposals, strict=True):
+        for item, proposal, (tokens, logprobs) in zip(batch, proposals, verified, strict=True):
             rows = logits[offset : offset + _num_logits(item, proposal)]  # [num_logits, vocab_size]
             offset += rows.shape[0]
             num_prompt += item.num_prompt_tokens
-            num_emitted += self._accept_one(item, proposal, rows, spec)
+            num_emitted += self._accept_one(item, proposal, rows, tokens, logprobs, spec)
         spec.num_emitted_tokens = num_emitted
         queried, hit = self.block_manager.take_lookup_stats()
         return StepStats(
@@ -194,51 +222,77 @@ class LLMEngine:
             prefix_cache_queries=queried,
             prefix_cache_hits=hit,
             num_preemptions=0,
+            spec_k_chosen=[item.num_spec_tokens for item in batch if item.reaches_end],
         )
+
+    def _verify(
+        self,
+        batch: list[ScheduledSeq],
+        proposals: list[Proposal],
+        logits: torch.Tensor,  # [sum(num_logits), vocab_size]
+    ) -> list[tuple[list[int], list[TokenLogprob] | None]]:
+        """One batched verification of every request whose chunk reaches the end: the tokens each
+        emits (none for a prompt chunk) and their logprobs where asked."""
+        # p = the target's processed probs at each draft position plus the bonus one; q = the draft's.
+        # Accept x_i with prob min(1, p(x_i) / q(x_i)); at the first rejection the recovered token is
+        # drawn from norm(max(0, p - q)); if all k pass, the bonus token is drawn from p. Greedy:
+        # accept while x_i == argmax p. Either way the emitted tokens follow p exactly.
+        ends = [i for i, item in enumerate(batch) if item.reaches_end]
+        verified: list[tuple[list[int], list[TokenLogprob] | None]] = [([], None)] * len(batch)
+        if not ends:
+            return verified
+        target_logits = _verify_rows(batch, proposals, logits)  # [num_tokens, vocab_size]
+        vocab_size = target_logits.shape[1]
+        seqs = [batch[i].seq for i in ends]
+        drafts = [proposals[i].token_ids for i in ends]
+        constrained = structured.constrain_verify_rows(seqs, target_logits, drafts)
+        tokens = verify_batch(
+            constrained,
+            drafts,
+            [self._match_vocab(proposals[i].probs, vocab_size) for i in ends],
+            [seq.params for seq in seqs],
+            [seq.output_token_ids if seq.params.has_penalties else [] for seq in seqs],
+            [seq.generator for seq in seqs],
+        )
+        logprobs = self._sample_logprobs(seqs, target_logits, drafts, tokens)
+        for j, i in enumerate(ends):
+            verified[i] = (tokens[j], logprobs[j])
+        return verified
 
     def _accept_one(
         self,
         item: ScheduledSeq,
         proposal: Proposal,
         rows: torch.Tensor,  # [num_logits, vocab_size]: prompt positions (echo), then k + 1 verify rows
+        tokens: list[int],  # accepted drafts + the recovered or bonus token; [] for a prompt chunk
+        logprobs: list[TokenLogprob] | None,  # one per token where asked
         step_spec: SpecStats,
     ) -> int:
-        """Verify one request's drafts and append what survives; returns the tokens emitted."""
+        """Record one request's verified tokens; returns the tokens emitted."""
         seq, k = item.seq, len(proposal.token_ids)
         if seq.wants_prompt_logprobs:
             self._record_prompt_logprobs(seq, rows[: item.num_new_tokens])
         if not item.reaches_end:  # a prompt chunk: nothing to sample yet
-            seq.num_computed_tokens += item.num_new_tokens
-            self.scheduler.cache_blocks(seq, self.draft is not None)
+            self.scheduler.update_from_output(item, 0, proposal.num_draft_computed, proposal.source)
             return 0
-        # p = the target's processed probs at each draft position plus the bonus one; q = the draft's.
-        # Accept x_i with prob min(1, p(x_i) / q(x_i)); at the first rejection the recovered token is
-        # drawn from norm(max(0, p - q)); if all k pass, the bonus token is drawn from p. Greedy:
-        # accept while x_i == argmax p. Either way the emitted tokens follow p exactly.
-        target_logits = rows[-(k + 1) :]  # [k + 1, vocab_size]
-        history = verification_histories(seq.output_token_ids, proposal.token_ids)
-        constrained = structured.constrain_rows(seq, target_logits, proposal.token_ids)
-        target_probs = processed_probs(constrained, [seq.params] * (k + 1), history)
-        draft_probs = self._match_vocab(proposal.probs, target_probs.shape[-1])
-        tokens = verify(
-            target_probs, proposal.token_ids, draft_probs, seq.params.greedy, seq.generator
-        )
         num_accepted = len(tokens) - 1
-        seq.spec.add(k, num_accepted)
-        step_spec.add(k, num_accepted)
-        # Roll back by not advancing: only the accepted drafts' K/V count as computed.
-        seq.num_computed_tokens += item.num_new_tokens + num_accepted
-        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
-        logprobs = self._sample_logprobs(seq, target_logits[: len(tokens)], tokens)
-        num_emitted = self._append(seq, tokens, logprobs)
-        if not seq.is_finished:
-            self.scheduler.cache_blocks(seq, self.draft is not None)
+        seq.spec.add(k, num_accepted, proposal.source)
+        step_spec.add(k, num_accepted, proposal.source)
+        num_emitted, stop = self._append(seq, tokens, logprobs)
+        self.scheduler.update_from_output(
+            item, num_accepted, proposal.num_draft_computed, proposal.source
+        )
+        if stop is not None:
+            self.scheduler.finish(seq, *stop)
         return num_emitted
 
     # ---- accepting tokens and stops --------------------------------------------------------
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> int:
-        """Append an accepted run token by token; a stop inside the run cuts it there."""
+    def _append(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None
+    ) -> tuple[int, tuple[str, int | str | None] | None]:
+        """Append an accepted run token by token; a stop inside the run cuts it there.
+        Returns the tokens appended and the stop (finish reason, stop reason) if one was hit."""
         now = time.monotonic()
         if seq.times.first_token is None:
             seq.times.first_token = now
@@ -249,9 +303,8 @@ class LLMEngine:
                 seq.pending_logprobs.append(logprobs[i])
             stop = self._stop(seq, token)
             if stop is not None:
-                self.scheduler.finish(seq, *stop)
-                return i + 1
-        return len(tokens)
+                return i + 1, stop
+        return len(tokens), None
 
     def _stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
         params = seq.params
@@ -268,15 +321,31 @@ class LLMEngine:
             return "length", None
         return None
 
+    @staticmethod
     def _sample_logprobs(
-        self,
-        seq: Sequence,
-        logits: torch.Tensor,
-        tokens: list[int],  # [len(tokens), vocab_size]
-    ) -> list[TokenLogprob] | None:
-        if seq.params.logprobs is None:
-            return None
-        return logprobs_of(logits, tokens, seq.params.logprobs)
+        seqs: list[Sequence],
+        target_logits: torch.Tensor,  # [num_tokens, vocab_size]: k + 1 verify rows per request
+        drafts: list[list[int]],
+        tokens: list[list[int]],  # the tokens each request emits
+    ) -> list[list[TokenLogprob] | None]:
+        """Logprobs of the emitted tokens, for the requests that ask, in one pass."""
+        wanted = [j for j, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        logprobs: list[list[TokenLogprob] | None] = [None] * len(seqs)
+        if not wanted:
+            return logprobs
+        first_rows = [0]
+        for d in drafts:
+            first_rows.append(first_rows[-1] + len(d) + 1)
+        rows = [first_rows[j] + i for j in wanted for i in range(len(tokens[j]))]
+        num_top = max(seqs[j].params.logprobs or 0 for j in wanted)
+        flat = logprobs_of(target_logits[rows], [t for j in wanted for t in tokens[j]], num_top)
+        start = 0
+        for j in wanted:
+            own = seqs[j].params.logprobs or 0
+            run = flat[start : start + len(tokens[j])]
+            logprobs[j] = [dataclasses.replace(lp, top=lp.top[:own]) for lp in run]
+            start += len(tokens[j])
+        return logprobs
 
     def _record_prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> None:
         """rows[j] is the forward at position start + j: it scores the prompt token after it."""
@@ -343,16 +412,17 @@ class LLMEngine:
         spec = self.config.speculative
         if spec.method == "ngram":
             return NgramProposer(spec)
-        if spec.method == "draft":
-            assert spec.draft_model is not None
-            log.info("loading draft model %s", spec.draft_model)
-            loaded = load_model(spec.draft_model)
-            check_same_vocab(self.tokenizer, loaded.tokenizer)
-            self.draft = ModelRunner(
-                loaded, self.config.device, self.config.dtype, self.config.block_size
-            )
-            return DraftModelProposer(self.draft, spec.draft_p_min)
-        return NoProposer()
+        if spec.method not in ("draft", "hybrid"):
+            return NoProposer()
+        assert spec.draft_model is not None
+        log.info("loading draft model %s", spec.draft_model)
+        loaded = load_model(spec.draft_model)
+        check_same_vocab(self.tokenizer, loaded.tokenizer)
+        self.draft = ModelRunner(
+            loaded, self.config.device, self.config.dtype, self.config.block_size
+        )
+        draft = DraftModelProposer(self.draft, spec.draft_p_min)
+        return draft if spec.method == "draft" else HybridProposer(NgramProposer(spec), draft)
 
     def _runners(self) -> list[ModelRunner]:
         return [self.target] if self.draft is None else [self.target, self.draft]
@@ -374,6 +444,21 @@ def _num_logits(item: ScheduledSeq, proposal: Proposal) -> int:
     else the last one where its chunk reaches the end; plus one per draft."""
     base = item.num_new_tokens if item.seq.wants_prompt_logprobs else int(item.reaches_end)
     return base + len(proposal.token_ids)
+
+
+def _verify_rows(
+    batch: list[ScheduledSeq],
+    proposals: list[Proposal],
+    logits: torch.Tensor,  # [sum(num_logits), vocab_size]
+) -> torch.Tensor:  # [num_tokens, vocab_size]: the last k + 1 rows of each request reaching the end
+    rows, offset = [], 0
+    for item, proposal in zip(batch, proposals, strict=True):
+        offset += _num_logits(item, proposal)
+        if item.reaches_end:
+            rows.extend(range(offset - len(proposal.token_ids) - 1, offset))
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]  # the usual case: no copy
+    return logits[rows]
 
 
 def check_same_vocab(target_tokenizer: object, draft_tokenizer: object) -> None:

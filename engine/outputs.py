@@ -21,10 +21,16 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # index = draft position
     num_emitted_tokens: int = 0
+    # proposer -> [draft tokens, accepted tokens]
+    by_proposer: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, num_draft: int, num_accepted: int) -> None:
+    def add(self, num_draft: int, num_accepted: int, proposer: str = "") -> None:
         if num_draft == 0:
             return
+        if proposer:
+            counts = self.by_proposer.setdefault(proposer, [0, 0])
+            counts[0] += num_draft
+            counts[1] += num_accepted
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
@@ -38,6 +44,10 @@ class SpecStats:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_emitted_tokens += other.num_emitted_tokens
+        for name, (drafted, accepted) in other.by_proposer.items():
+            counts = self.by_proposer.setdefault(name, [0, 0])
+            counts[0] += drafted
+            counts[1] += accepted
         if len(self.accepted_per_pos) < len(other.accepted_per_pos):
             pad = len(other.accepted_per_pos) - len(self.accepted_per_pos)
             self.accepted_per_pos.extend([0] * pad)
@@ -101,3 +111,5 @@ class StepStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int
     num_preemptions: int
+    # k each decoding request was given this step (its largest over proposers), for the histogram
+    spec_k_chosen: list[int] = field(default_factory=list)

@@ -8,6 +8,7 @@ makes seeded sampling reproducible whatever the batch composition.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -20,49 +21,113 @@ from engine.sampling_params import SamplingParams
 NUCLEUS_CANDIDATES = 1024
 
 
+@dataclass(frozen=True)
+class SamplingTensors:
+    """A batch's sampling parameters as tensors, one entry per row, built once per step.
+
+    The flags say on the host which transforms any row needs, so none costs a sync."""
+
+    temperature: Tensor  # [N] float32, 1.0 on greedy rows
+    top_k: Tensor  # [N] long, vocab_size where off
+    top_p: Tensor  # [N]
+    min_p: Tensor  # [N]
+    presence_penalty: Tensor  # [N]
+    frequency_penalty: Tensor  # [N]
+    greedy: Tensor  # [N] bool
+    is_greedy: tuple[bool, ...]  # [N] the same, on the host
+    max_top_k: int  # the largest top-k that is on; 0 when none is
+    do_top_k_top_p: bool
+    do_min_p: bool
+    do_penalties: bool
+
+    @staticmethod
+    def from_params(
+        params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+    ) -> SamplingTensors:
+        top_ks = [p.top_k if _has_top_k(p, vocab_size) else vocab_size for p in params]
+        columns = [
+            [p.temperature or 1.0 for p in params],
+            [float(k) for k in top_ks],  # exact in float32 below 2**24
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            [p.presence_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [float(p.greedy) for p in params],
+        ]
+        table = torch.tensor(columns, dtype=torch.float32, device=device)  # [7, N]: one copy
+        max_top_k = max((k for k in top_ks if k < vocab_size), default=0)
+        return SamplingTensors(
+            temperature=table[0],
+            top_k=table[1].long(),
+            top_p=table[2],
+            min_p=table[3],
+            presence_penalty=table[4],
+            frequency_penalty=table[5],
+            greedy=table[6] > 0.0,
+            is_greedy=tuple(p.greedy for p in params),
+            max_top_k=max_top_k,
+            do_top_k_top_p=max_top_k > 0 or any(p.top_p < 1.0 for p in params),
+            do_min_p=any(p.min_p > 0.0 for p in params),
+            do_penalties=any(p.has_penalties for p in params),
+        )
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(self.is_greedy)
+
+
 def processed_probs(
     logits: Tensor,  # [N, V] float32 raw logits
     params: list[SamplingParams],  # one per row
     output_token_ids: list[list[int]],  # tokens generated so far per row (may include drafts)
 ) -> Tensor:  # [N, V] float32 probabilities; greedy rows are one-hot on the argmax
+    sampling = SamplingTensors.from_params(params, logits.shape[1], logits.device)
     logits = logits.float()
-    if any(p.has_penalties for p in params):
-        logits = apply_penalties(logits, params, output_token_ids)
-    if all(p.greedy for p in params):
+    if sampling.do_penalties:
+        rows, ids = _penalized_pairs(params, output_token_ids)
+        pairs = torch.tensor([rows, ids], dtype=torch.long)  # [2, M]
+        logits = apply_penalties(logits, sampling, pairs[0], pairs[1])
+    return probs_from_logits(logits, sampling)
+
+
+def probs_from_logits(
+    logits: Tensor,  # [N, V] float32, penalties applied
+    sampling: SamplingTensors,  # N rows
+) -> Tensor:  # [N, V] float32 probabilities; greedy rows are one-hot on the argmax
+    """Temperature, top-k, top-p, softmax, min-p: the distribution each row samples from."""
+    if sampling.all_greedy:
         return _one_hot_argmax(logits)
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)  # [N]
-    greedy_probs = _one_hot_argmax(logits) if greedy.any() else None
-    temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
-    logits = logits / temps[:, None]
-    if any(_has_top_k(p, logits.shape[1]) or p.top_p < 1.0 for p in params):
-        logits = apply_top_k_top_p(logits, params)
+    greedy_probs = _one_hot_argmax(logits) if any(sampling.is_greedy) else None
+    logits = logits / sampling.temperature[:, None]
+    if sampling.do_top_k_top_p:
+        logits = apply_top_k_top_p(logits, sampling)
     probs = torch.softmax(logits, dim=-1)  # [N, V]
-    if any(p.min_p > 0.0 for p in params):
-        probs = apply_min_p(probs, params)
+    if sampling.do_min_p:
+        probs = apply_min_p(probs, sampling)
     if greedy_probs is not None:
-        probs = torch.where(greedy[:, None], greedy_probs, probs)
+        probs = torch.where(sampling.greedy[:, None], greedy_probs, probs)
     return probs
 
 
 def apply_penalties(
     logits: Tensor,  # [N, V]
-    params: list[SamplingParams],
-    output_token_ids: list[list[int]],
-) -> Tensor:  # [N, V]
+    sampling: SamplingTensors,  # N rows
+    rows: Tensor,  # [M] long, on the CPU: the row of each counted token
+    token_ids: Tensor,  # [M] long, on the CPU: the token
+) -> Tensor:  # [N, V], a copy when anything changes
     """OpenAI semantics: logit[t] -= presence * (count[t] > 0) + frequency * count[t].
 
-    Touches only the (row, token) pairs that occur: no [N, V] count table."""
-    rows, ids = _penalized_pairs(params, output_token_ids)
-    if not ids:
+    Touches only the (row, token) pairs that occur: no [N, V] count table. The pairs are counted
+    on the host, where they come from, so the device never waits on `unique`."""
+    if rows.numel() == 0:
         return logits
     vocab_size = logits.shape[1]
-    keys = torch.tensor(rows, device=logits.device) * vocab_size
-    keys, counts = (keys + torch.tensor(ids, device=logits.device)).unique(return_counts=True)
-    presence = torch.tensor([p.presence_penalty for p in params], device=logits.device)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device)
-    key_rows = keys // vocab_size  # [M]
+    keys, counts = (rows * vocab_size + token_ids).unique(return_counts=True)  # [M'] each
+    keys, counts = keys.to(logits.device), counts.to(logits.device)
+    key_rows = keys // vocab_size  # [M']
+    penalty = sampling.presence_penalty[key_rows] + sampling.frequency_penalty[key_rows] * counts
     logits = logits.clone(memory_format=torch.contiguous_format)
-    logits.view(-1)[keys] -= presence[key_rows] + frequency[key_rows] * counts
+    logits.view(-1)[keys] -= penalty
     return logits
 
 
@@ -86,18 +151,34 @@ def verification_histories(
     return [output_token_ids + draft_token_ids[:i] for i in range(len(draft_token_ids) + 1)]
 
 
-def apply_top_k_top_p(logits: Tensor, params: list[SamplingParams]) -> Tensor:  # [N, V]
+def verification_penalty_pairs(
+    first_rows: list[int],  # each penalized request's first verify row
+    output_token_ids: list[list[int]],  # its tokens generated so far
+    draft_token_ids: list[list[int]],  # its drafts
+) -> tuple[Tensor, Tensor]:  # rows [M], token ids [M] (CPU, long)
+    """The (row, token) pairs of verification_histories, built without copying histories:
+    verify row i of a request counts its output and its drafts before position i."""
+    rows, ids = [torch.empty(0, dtype=torch.long)], [torch.empty(0, dtype=torch.long)]
+    for first, output, drafts in zip(first_rows, output_token_ids, draft_token_ids, strict=True):
+        num_rows = len(drafts) + 1
+        out = torch.tensor(output, dtype=torch.long)  # [L]
+        rows.append(torch.arange(first, first + num_rows).repeat_interleave(len(output)))
+        ids.append(out.repeat(num_rows))
+        row, col = torch.tril_indices(num_rows, len(drafts), offset=-1)  # pairs col < row
+        rows.append(first + row)
+        ids.append(torch.tensor(drafts, dtype=torch.long)[col])
+    return torch.cat(rows), torch.cat(ids)
+
+
+def apply_top_k_top_p(logits: Tensor, sampling: SamplingTensors) -> Tensor:  # [N, V]
     """Mask everything outside each row's top-k, then outside its top-p nucleus."""
     vocab_size = logits.shape[1]
-    top_ks = [p.top_k if _has_top_k(p, vocab_size) else vocab_size for p in params]
-    top_k = torch.tensor(top_ks, device=logits.device)  # [N], V where off
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)  # [N]
-    num_candidates = max([NUCLEUS_CANDIDATES, *(k for k in top_ks if k < vocab_size)])
+    num_candidates = max(NUCLEUS_CANDIDATES, sampling.max_top_k)
     if num_candidates < vocab_size:
-        masked = _keep_top_k_top_p(logits, top_k, top_p, num_candidates)
+        masked = _keep_top_k_top_p(logits, sampling.top_k, sampling.top_p, num_candidates)
         if masked is not None:
             return masked
-    masked = _keep_top_k_top_p(logits, top_k, top_p, vocab_size)
+    masked = _keep_top_k_top_p(logits, sampling.top_k, sampling.top_p, vocab_size)
     assert masked is not None
     return masked
 
@@ -133,10 +214,9 @@ def _best(logits: Tensor, num: int) -> tuple[Tensor, Tensor]:  # [N, V] -> 2 x [
     return logits.topk(num, dim=-1)
 
 
-def apply_min_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:  # [N, V]
+def apply_min_p(probs: Tensor, sampling: SamplingTensors) -> Tensor:  # [N, V]
     """Drop tokens below min_p times the row's top probability, renormalize."""
-    min_p = torch.tensor([p.min_p for p in params], device=probs.device)  # [N]
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [N, 1]
+    threshold = sampling.min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [N, 1]
     probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 
@@ -176,8 +256,15 @@ def exponential(
     shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device
 ) -> Tensor:
     """Exp(1) as -log(1 - U): several times cheaper on CPU than Tensor.exponential_."""
-    uniform = torch.rand(shape, generator=generator, device=device)  # [0, 1)
-    return uniform.neg_().add_(1.0).log_().neg_()
+    return uniform(shape, generator, device).neg_().add_(1.0).log_().neg_()
+
+
+def uniform(
+    shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device
+) -> Tensor:  # U[0, 1) on device, drawn where the generator lives (a request's is on the CPU)
+    if generator is None:
+        return torch.rand(shape, device=device)
+    return torch.rand(shape, generator=generator, device=generator.device).to(device)
 
 
 def race(probs: Tensor, noise: Tensor) -> Tensor:  # [..., V], [..., V] -> [...] token ids

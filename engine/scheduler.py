@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_k import RequestKPolicy
 from engine.spec_policy import SpeculationPolicy
 
 
@@ -23,6 +24,10 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # known tokens to compute: seq.token_ids[num_computed : num_computed + n]
     num_spec_tokens: int  # draft slots reserved after them (0 unless the chunk reaches the end)
+    spec_k: dict[str, int] = field(default_factory=dict)  # proposer -> drafts it may propose
+
+    def k_for(self, proposer: str) -> int:
+        return min(self.spec_k.get(proposer, 0), self.num_spec_tokens)
 
     @property
     def reaches_end(self) -> bool:
@@ -48,9 +53,11 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         policy: SpeculationPolicy | None = None,
+        request_k: RequestKPolicy | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
+        self.request_k = request_k
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -76,22 +83,43 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim)
                 num_preempted += 1
+                budget += sum(_cost(s) for s in scheduled if s.seq is victim)  # hand it back
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
             scheduled.append(item)
-            budget -= item.num_new_tokens + item.num_spec_tokens
+            budget -= _cost(item)
         scheduled = [s for s in scheduled if s.seq.status == SequenceStatus.RUNNING]
-        # Then admit waiting requests, oldest first, while budgets and blocks allow.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Then admit waiting requests, oldest first, while budgets and blocks allow; not in a step
+        # that had to preempt (blocks are short: admitting now would only preempt again).
+        while (
+            not num_preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             item = self._admit(self.waiting[0], budget, step_k)
             if item is None:
                 break
             self.waiting.popleft()
             scheduled.append(item)
-            budget -= item.num_new_tokens + item.num_spec_tokens
+            budget -= _cost(item)
         return SchedulerOutput(scheduled, num_preempted)
+
+    def update_from_output(
+        self, item: ScheduledSeq, num_accepted: int, num_draft_computed: int | None, proposer: str
+    ) -> None:
+        """The one place a request's progress advances after a step. Rejected drafts are rolled
+        back by not counting them: only the accepted drafts' K/V count as computed."""
+        seq = item.seq
+        seq.num_computed_tokens += item.num_new_tokens + num_accepted
+        if num_draft_computed is not None:
+            seq.num_draft_computed_tokens = num_draft_computed
+        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+        if self.request_k is not None and item.reaches_end:
+            self.request_k.observe(seq.spec_state, proposer, item.k_for(proposer), num_accepted)
+        self._cache_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark a request finished (stop, length, abort) and return its blocks."""
@@ -105,11 +133,14 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.release(seq.block_table)
 
-    def cache_blocks(self, seq: Sequence, has_draft: bool) -> None:
-        computed = seq.num_computed_tokens
-        if has_draft and seq.num_speculative_tokens > 0:
-            computed = min(computed, seq.num_draft_computed_tokens)
-        self.blocks.cache_full_blocks(seq.token_ids, seq.block_table, computed)
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Share computed full blocks; flag those whose draft K/V are computed too."""
+        self.blocks.cache_full_blocks(
+            seq.token_ids, seq.block_table, seq.block_hashes, seq.num_computed_tokens
+        )
+        seq.num_draft_cached_blocks = self.blocks.mark_draft_computed(
+            seq.block_table, seq.num_draft_cached_blocks, seq.num_draft_computed_tokens
+        )
 
     def _step_k(self) -> int:
         """The most drafts any request may get this step (its own k caps it further)."""
@@ -123,25 +154,39 @@ class Scheduler:
 
     def _plan(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq:
         n = min(seq.num_uncomputed_tokens, budget)
-        k = 0
-        if seq.num_computed_tokens + n == seq.num_tokens:
-            # Room left: the final emitted token is always the target's own, so at most
-            # max_tokens - outputs - 1 drafts, and never past the context window.
-            room = min(
-                seq.params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - seq.num_tokens - 1,
-                budget - n,
-            )
-            k = max(0, min(self._k_cap(seq, step_k), room))
-        return ScheduledSeq(seq, n, k)
+        item = ScheduledSeq(seq, n, 0)
+        if not item.reaches_end:
+            return item
+        # Room left: the final emitted token is always the target's own, so at most
+        # max_tokens - outputs - 1 drafts, and never past the context window.
+        room = min(
+            seq.params.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+            budget - n,
+        )
+        item.spec_k = {
+            name: max(0, min(k, room)) for name, k in self._request_k(seq, step_k).items()
+        }
+        if item.num_prompt_tokens > 0 and seq.num_tokens - seq.num_draft_computed_tokens > 32:
+            # No draft-model forward in the step that finishes a long prompt: the draft would prefill
+            # it first and delay the first token. It catches up in the next step instead.
+            item.spec_k["draft"] = 0
+        item.num_spec_tokens = max(item.spec_k.values(), default=0)
+        return item
 
-    @staticmethod
-    def _k_cap(seq: Sequence, step_k: int) -> int:
-        """A seeded sampled request keeps its own k: its random draws depend on k, and its seed must
-        reproduce whatever else is in the batch. Greedy output does not depend on k at all."""
+    def _request_k(self, seq: Sequence, step_k: int) -> dict[str, int]:
+        """proposer -> this request's k. A seeded sampled request keeps its own k: its random draws
+        depend on k, and its seed must reproduce whatever else is in the batch (greedy output does
+        not depend on k at all)."""
+        names = self.config.speculative.proposers
+        if seq.num_speculative_tokens == 0 or not names:
+            return {}
         if seq.params.seed is not None and not seq.params.greedy:
-            return seq.num_speculative_tokens
-        return min(seq.num_speculative_tokens, step_k)
+            return dict.fromkeys(names, seq.num_speculative_tokens)
+        k_max = min(seq.num_speculative_tokens, step_k)
+        if self.request_k is None or k_max == 0:
+            return dict.fromkeys(names, k_max)
+        return self.request_k.choose(seq.spec_state, k_max, len(self.running))
 
     def _positions(self, item: ScheduledSeq) -> int:
         return item.seq.num_computed_tokens + item.num_new_tokens + item.num_spec_tokens
@@ -149,14 +194,22 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq | None:
         cached = [] if seq.wants_prompt_logprobs else self.blocks.match_prefix(seq.token_ids)
         num_cached = len(cached) * self.blocks.block_size
-        seq.num_computed_tokens = seq.num_draft_computed_tokens = num_cached
+        seq.num_computed_tokens = num_cached
+        # The draft's K/V are valid only on the leading blocks some request's draft computed.
+        seq.num_draft_computed_tokens = (
+            self.blocks.num_draft_computed(cached) * self.blocks.block_size
+        )
         item = self._plan(seq, budget, step_k)
         needed = self.blocks.blocks_needed(self._positions(item)) - len(cached)
         if not self.blocks.can_allocate(needed + self.blocks.num_free_among(cached)):
-            seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
+            seq.reset_progress()
             return None
         self.blocks.acquire(cached)
         seq.block_table = list(cached)
+        seq.block_hashes = (
+            [] if not cached else self.blocks.chain_hashes(seq.token_ids, len(cached))
+        )
+        seq.num_draft_cached_blocks = seq.num_draft_computed_tokens // self.blocks.block_size
         self.blocks.grow(seq.block_table, self._positions(item))
         if seq.times.first_scheduled is None:
             seq.num_cached_tokens = num_cached
@@ -171,5 +224,10 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq.block_table)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
+        seq.reset_progress()
         self.waiting.appendleft(seq)
+
+
+def _cost(item: ScheduledSeq) -> int:
+    """Tokens an item takes from the step's budget."""
+    return item.num_new_tokens + item.num_spec_tokens

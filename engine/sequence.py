@@ -10,6 +10,7 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestTimes, SpecStats, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.spec_k import RequestSpecState
 from engine.structured import ConstraintState
 
 
@@ -36,6 +37,9 @@ class Sequence:
     num_draft_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on admission
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of registered full blocks
+    num_draft_cached_blocks: int = 0  # leading blocks flagged as holding the draft's K/V
+    spec_state: RequestSpecState = field(default_factory=RequestSpecState)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
@@ -51,6 +55,12 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    def reset_progress(self) -> None:
+        """Nothing computed: before admission, or after preemption (recomputed from scratch)."""
+        self.num_computed_tokens = self.num_draft_computed_tokens = 0
+        self.block_hashes = []
+        self.num_draft_cached_blocks = 0
 
     @property
     def num_tokens(self) -> int:

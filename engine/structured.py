@@ -176,6 +176,25 @@ def constrain_rows(
     return apply_bitmask(logits, bitmask, state.vocab_size)
 
 
+def constrain_verify_rows(
+    seqs: list[Sequence],
+    logits: Tensor,  # [num_tokens, V] raw target logits: len(drafts[b]) + 1 rows per request
+    drafts: list[list[int]],  # [batch] each request's drafts
+) -> Tensor:  # [num_tokens, V]; `logits` itself when no request is constrained
+    """A step's verify rows (k drafts + bonus per request), each request's constrained as
+    `constrain_rows` does. Hook: in `LLMEngine._verify`, on what goes to `verify_batch`."""
+    if all(seq.constraint is None for seq in seqs):
+        return logits
+    out = logits.float().clone()
+    first = 0
+    for seq, drafted in zip(seqs, drafts, strict=True):
+        rows = slice(first, first + len(drafted) + 1)
+        if seq.constraint is not None:
+            out[rows] = constrain_rows(seq, out[rows], drafted)
+        first = rows.stop
+    return out
+
+
 def constrain_draft_logits(
     seqs: list[Sequence],
     logits: Tensor,  # [B, V_draft] one row per sequence, after its drafts so far

@@ -40,6 +40,8 @@ _COUNTERS = {
     "num_preemptions": "Requests preempted for lack of KV blocks.",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "spec_decode_sampling_steps": "Engine steps that sampled tokens for at least one request.",
+    "spec_decode_drafting_steps": "Of those, steps in which at least one request verified drafts.",
 }
 _GAUGES = {
     "num_requests_running": "Requests in the running batch.",
@@ -55,11 +57,17 @@ _HISTOGRAMS = {
     "request_decode_time_seconds": ("First token to finish.", _LATENCY_BUCKETS),
 }
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+_BY_PROPOSER = {
+    "spec_decode_proposer_draft_tokens": "Draft tokens proposed, by proposer (draft, ngram).",
+    "spec_decode_proposer_accepted_tokens": "Draft tokens accepted, by proposer (draft, ngram).",
+}
+_K_CHOSEN = "spec_decode_k_per_request"
+_K_BUCKETS = tuple(float(k) for k in range(0, 17))
 _SUCCESS = "request_success"
 
 METRIC_NAMES: tuple[str, ...] = (
-    *(f"{PREFIX}{name}_total" for name in (*_COUNTERS, _PER_POS, _SUCCESS)),
-    *(f"{PREFIX}{name}" for name in (*_HISTOGRAMS, *_GAUGES)),
+    *(f"{PREFIX}{name}_total" for name in (*_COUNTERS, _PER_POS, _SUCCESS, *_BY_PROPOSER)),
+    *(f"{PREFIX}{name}" for name in (*_HISTOGRAMS, *_GAUGES, _K_CHOSEN)),
 )
 
 # `_created` series double every counter and no dashboard reads them.
@@ -96,6 +104,14 @@ class Metrics:
         )  # fmt: skip
         for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name, reason)
+        self._by_proposer = {
+            n: Counter(PREFIX + n, doc, ["model_name", "proposer"], registry=reg)
+            for n, doc in _BY_PROPOSER.items()
+        }
+        self._k_chosen = Histogram(
+            PREFIX + _K_CHOSEN, "Drafts each sampling request was given per step (0: plain).",
+            labels, buckets=_K_BUCKETS, registry=reg,
+        ).labels(model_name)  # fmt: skip
 
     def on_step(self, stats: StepStats) -> None:
         c = self.counters
@@ -104,6 +120,7 @@ class Metrics:
         c["spec_decode_num_accepted_tokens"].inc(stats.spec.num_accepted_tokens)
         for pos, n in enumerate(stats.spec.accepted_per_pos):
             self._per_pos.labels(self.model_name, str(pos)).inc(n)
+        self._on_spec_step(stats)
         c["prompt_tokens"].inc(stats.num_prompt_tokens)
         c["generation_tokens"].inc(stats.num_generation_tokens)
         c["num_preemptions"].inc(stats.num_preemptions)
@@ -112,6 +129,17 @@ class Metrics:
         self.gauges["num_requests_running"].set(stats.num_running)
         self.gauges["num_requests_waiting"].set(stats.num_waiting)
         self.gauges["kv_cache_usage_perc"].set(stats.kv_cache_usage)
+
+    def _on_spec_step(self, stats: StepStats) -> None:
+        if stats.spec_k_chosen:
+            self.counters["spec_decode_sampling_steps"].inc()
+            self.counters["spec_decode_drafting_steps"].inc(int(stats.spec.num_drafts > 0))
+        for k in stats.spec_k_chosen:
+            self._k_chosen.observe(k)
+        for proposer, (drafted, accepted) in stats.spec.by_proposer.items():
+            labels = (self.model_name, proposer)
+            self._by_proposer["spec_decode_proposer_draft_tokens"].labels(*labels).inc(drafted)
+            self._by_proposer["spec_decode_proposer_accepted_tokens"].labels(*labels).inc(accepted)
 
     def refresh_from(self, engine: Any) -> None:
         """At scrape time: an idle engine takes no steps, so its last StepStats may be stale."""

@@ -89,9 +89,11 @@ def serve(settings: Settings) -> int:
         logger.info(
             "loading target model %s (%s on %s)", settings.model, settings.dtype, settings.device
         )
-        if settings.speculative_method == "draft":
-            logger.info("loading draft model %s", settings.draft_model)
-        elif settings.speculative_method == "ngram":
+        if settings.speculative_method in ("draft", "hybrid"):
+            logger.info(
+                "speculation: %s, draft model %s", settings.speculative_method, settings.draft_model
+            )
+        if settings.speculative_method in ("ngram", "hybrid"):
             logger.info(
                 "speculation: n-gram proposer, n in [%d, %d]",
                 settings.ngram_min,

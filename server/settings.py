@@ -38,8 +38,10 @@ class Settings(BaseSettings):
         default=None, description="draft model for --speculative-method draft"
     )
     served_model_name: str | None = Field(default=None, description="model name clients use")
-    speculative_method: Literal["none", "draft", "ngram"] = Field(
-        default="none", description="speculation"
+    speculative_method: Literal["none", "draft", "ngram", "hybrid"] = Field(
+        default="none",
+        description="speculation: none, draft (a small model), ngram (prompt lookup), "
+        "hybrid (an n-gram match where there is one, else the draft model)",
     )
     num_speculative_tokens: int = Field(
         default=4, ge=0, le=64, description="k: draft tokens per step"
@@ -89,8 +91,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
-        if self.speculative_method == "draft" and not self.draft_model:
-            raise ValueError("draft_model: required when speculative_method is draft")
+        if self.speculative_method in ("draft", "hybrid") and not self.draft_model:
+            raise ValueError(
+                f"draft_model: required when speculative_method is {self.speculative_method}"
+            )
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min: must be <= ngram_max")
         return self

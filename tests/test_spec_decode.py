@@ -148,7 +148,7 @@ def _chi_square_pvalue(pairs: list[tuple[int, int]], probs: np.ndarray) -> float
     return float(stats.chisquare(observed, expected).pvalue)
 
 
-@pytest.mark.parametrize("kind", ["none", "draft", "ngram"])
+@pytest.mark.parametrize("kind", ["none", "draft", "ngram", "hybrid"])
 def test_sampled_pairs_follow_target_distribution(
     kind: str, tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
 ) -> None:
@@ -164,6 +164,16 @@ def test_sampled_pairs_follow_target_distribution(
         ),
         "ngram": SpeculativeConfig(
             method="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=3, adaptive=False
+        ),
+        # n-gram matches where the prompt repeats, the draft model elsewhere (max_tokens 2: the
+        # second token's lookup may or may not match, so both proposers get sampled rows).
+        "hybrid": SpeculativeConfig(
+            method="hybrid",
+            num_speculative_tokens=2,
+            draft_model=str(tiny_draft_dir),
+            ngram_min=2,
+            ngram_max=3,
+            adaptive=False,
         ),
     }[kind]
     engine = make_engine(

@@ -68,9 +68,12 @@ def spec_engine(kind: str, model: Path, draft: Path, k: int, **overrides: object
         spec = SpeculativeConfig(
             method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3, adaptive=False
         )
-    else:
+    else:  # draft or hybrid (an n-gram match where there is one, else the draft model)
         spec = SpeculativeConfig(
-            method="draft", num_speculative_tokens=k, adaptive=False, draft_model=str(draft)
+            method=kind,
+            num_speculative_tokens=k,
+            adaptive=False,
+            draft_model=str(draft),  # type: ignore[arg-type]
         )
     return make_engine(model, speculative=spec, **overrides)
 
@@ -89,7 +92,9 @@ def assert_valid_json(tokenizer: object, token_ids: list[int]) -> None:
 # ---- greedy: identical with and without speculation, always valid ---------------------------
 
 
-@pytest.mark.parametrize(("kind", "k"), [("draft", 2), ("draft", 6), ("ngram", 3), ("ngram", 6)])
+@pytest.mark.parametrize(
+    ("kind", "k"), [("draft", 2), ("draft", 6), ("ngram", 3), ("ngram", 6), ("hybrid", 4)]
+)
 def test_greedy_json_identical_with_speculation(
     kind: str,
     k: int,
@@ -409,7 +414,7 @@ FORCING = {
 }
 
 
-@pytest.mark.parametrize("kind", ["draft", "ngram"])
+@pytest.mark.parametrize("kind", ["draft", "ngram", "hybrid"])
 def test_forced_tokens_are_drafted_and_stay_exact(
     kind: str, plain: LLMEngine, tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
 ) -> None:
@@ -421,8 +426,9 @@ def test_forced_tokens_are_drafted_and_stay_exact(
     assert [s.output_token_ids for s in seqs] == outputs(plain, prompts, params)
     for seq in seqs:
         assert seq.finish_reason == "stop"
-        # Most of the output is forced: drafted and accepted, few steps.
+        # Most of the output is forced: drafted (as the grammar's) and accepted, few steps.
         assert seq.spec.num_accepted_tokens >= seq.num_output_tokens // 2
+        assert seq.spec.by_proposer["grammar"][1] >= seq.num_output_tokens // 3
     sampled = SamplingParams(max_tokens=80, temperature=1.0, seed=5, constraints=constraints)
     for seq in engine.generate(prompts, sampled):
         assert json.loads(engine.tokenizer.decode(seq.output_token_ids))["n"] in range(10)

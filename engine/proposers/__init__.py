@@ -2,6 +2,7 @@
 
 from engine.proposers.base import Proposal, Proposer
 from engine.proposers.draft_model import DraftModelProposer
+from engine.proposers.hybrid import HybridProposer
 from engine.proposers.ngram import NgramProposer
 
-__all__ = ["DraftModelProposer", "NgramProposer", "Proposal", "Proposer"]
+__all__ = ["DraftModelProposer", "HybridProposer", "NgramProposer", "Proposal", "Proposer"]

@@ -13,6 +13,8 @@ from engine import structured
 from engine.proposers.base import Proposal, Proposer
 from engine.scheduler import ScheduledSeq
 
+SOURCE = "grammar"  # in metrics and SpecStats.by_proposer: the grammar-forced drafts
+
 
 class ForcedDraftProposer:
     def __init__(self, inner: Proposer) -> None:
@@ -22,4 +24,4 @@ class ForcedDraftProposer:
         forced = [structured.forced_tokens(item.seq, item.num_spec_tokens) for item in batch]
         rest = [item for item, tokens in zip(batch, forced, strict=True) if not tokens]
         proposed = iter(self.inner.propose(rest))
-        return [Proposal(tokens) if tokens else next(proposed) for tokens in forced]
+        return [Proposal(tokens, source=SOURCE) if tokens else next(proposed) for tokens in forced]

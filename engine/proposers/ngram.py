@@ -21,15 +21,20 @@ def ngram_lookup(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[i
 
 
 class NgramProposer:
+    name = "ngram"
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.n_min = config.ngram_min
         self.n_max = config.ngram_max
 
     def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
-        return [self._propose_one(item) for item in batch]
+        return [self.propose_one(item) for item in batch]
 
-    def _propose_one(self, item: ScheduledSeq) -> Proposal:
-        if item.num_spec_tokens == 0:
+    def propose_one(self, item: ScheduledSeq) -> Proposal:
+        k = item.k_for(self.name)
+        if k == 0:
             return Proposal.empty()
-        drafts = ngram_lookup(item.seq.token_ids, item.num_spec_tokens, self.n_min, self.n_max)
-        return Proposal(structured.cut_drafts(item.seq, drafts))
+        drafts = structured.cut_drafts(
+            item.seq, ngram_lookup(item.seq.token_ids, k, self.n_min, self.n_max)
+        )
+        return Proposal(drafts, source=self.name) if drafts else Proposal.empty()

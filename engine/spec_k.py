@@ -1,0 +1,191 @@
+"""Per-request k: each request drafts as many tokens as pay for themselves, and no more.
+
+Each request keeps a decayed estimate of its own acceptance per draft position and per proposer
+(`AcceptanceEstimate`): c_j = P(draft j accepted | drafts 1..j-1 accepted). Drafting k tokens yields
+E(k) = 1 + sum_{j<=k} prod_{l<=j} c_l tokens per step; each draft position costs `cost` of a plain
+step (`DraftCost`: the proposer's time per drafted token plus the target's extra verify time per
+draft token, both measured, relative to a plain step's share per request). The request takes the k
+that maximizes E(k) / (1 + k * cost): 0 where its drafts do not pay. A request at k = 0 is re-probed
+with a couple of drafts now and then (ever less often while it keeps losing), so a request whose
+text turns repetitive starts drafting again.
+
+A new request starts from the proposer's acceptance over all requests (the prior), so the first
+steps of a request are not spent learning what the last hundred requests already showed; its own
+record outweighs the prior within a few steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.spec_policy import bucket_of
+
+DECAY = 0.8  # per observation: a request's text changes character within tens of tokens
+PRIOR_WEIGHT = 2.0  # pseudo-observations of the global acceptance behind a fresh estimate
+PROBE_K = 2  # drafts given to a request at k = 0 when it is re-probed
+PROBE_EVERY = 8  # steps at k = 0 before the first re-probe; doubles while probes keep losing
+MAX_PROBE_EVERY = 64
+# Relative cost of one draft position before anything was measured (a plain step = 1): the draft
+# model at about a third of the target, an n-gram lookup nearly free.
+PRIOR_COST = {"draft": 0.35, "ngram": 0.05}
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Decayed counts per draft position: reached (drafted with every earlier draft accepted) and
+    accepted. Every observation decays all positions, so what a request did long ago fades."""
+
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def observe(self, num_drafted: int, num_accepted: int, decay: float = DECAY) -> None:
+        while len(self.reached) < num_drafted:
+            self.reached.append(0.0)
+            self.accepted.append(0.0)
+        for j in range(len(self.reached)):
+            looked = j < num_drafted and j <= num_accepted  # the verify looked at position j
+            self.reached[j] = decay * self.reached[j] + float(looked)
+            self.accepted[j] = decay * self.accepted[j] + float(looked and j < num_accepted)
+
+    def rates(self, k: int, base: float) -> list[float]:
+        """c_1..c_k. Each position is shrunk toward the rate of the one before it (the first toward
+        `base`, the acceptance over all requests) with PRIOR_WEIGHT pseudo-observations, so a
+        position this request rarely reaches borrows from its neighbour."""
+        out = []
+        for j in range(k):
+            n, a = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0.0, 0.0)
+            base = (a + PRIOR_WEIGHT * base) / (n + PRIOR_WEIGHT)
+            out.append(base)
+        return out
+
+    def rate(self, j: int) -> float:
+        """The raw rate at one position (0.5 where never observed)."""
+        if j < len(self.reached) and self.reached[j] > 1e-6:
+            return self.accepted[j] / self.reached[j]
+        return 0.5
+
+
+@dataclass
+class ProposerTrack:
+    """One request's record with one proposer: its acceptance, and when to re-probe it at k = 0."""
+
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    probe_every: int = PROBE_EVERY
+    steps_at_zero: int = 0
+
+
+@dataclass
+class RequestSpecState:
+    """What one request remembers about its own drafts, per proposer."""
+
+    tracks: dict[str, ProposerTrack] = field(default_factory=dict)
+
+    def track(
+        self, proposer: str, prior: AcceptanceEstimate | None = None, k: int = 0
+    ) -> ProposerTrack:
+        if proposer not in self.tracks:
+            seed = AcceptanceEstimate() if prior is None else AcceptanceEstimate.seeded(prior, k)
+            self.tracks[proposer] = ProposerTrack(seed)
+        return self.tracks[proposer]
+
+
+def expected_tokens(rates: list[float]) -> list[float]:
+    """E(k) for k = 0..len(rates): 1 + sum over j <= k of prod over l <= j of c_l."""
+    out, reach = [1.0], 1.0
+    for c in rates:
+        reach *= c
+        out.append(out[-1] + reach)
+    return out
+
+
+def best_k(rates: list[float], cost: float) -> int:
+    """argmax_k E(k) / (1 + k * cost); ties go to the smaller k."""
+    gains = expected_tokens(rates)
+    scores = [e / (1.0 + k * cost) for k, e in enumerate(gains)]
+    return max(range(len(scores)), key=lambda k: (scores[k], -k))
+
+
+class DraftCost:
+    """Measured cost of one draft position relative to one request's share of a plain step."""
+
+    def __init__(self) -> None:
+        self.plain_step: dict[
+            int, float
+        ] = {}  # batch-size bucket -> decayed seconds of a plain step
+        self.per_token: dict[str, float] = {}  # proposer -> decayed seconds per drafted token
+        self.verify_per_token: float | None = None  # extra target seconds per draft token
+
+    def relative(self, proposer: str, batch_size: int) -> float:
+        plain = self.plain_step.get(bucket_of(batch_size))
+        draft = self.per_token.get(proposer)
+        if plain is None or draft is None or self.verify_per_token is None:
+            return PRIOR_COST.get(proposer, 0.35)
+        return batch_size * (draft + self.verify_per_token) / plain
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        _decayed(self.plain_step, bucket_of(batch_size), seconds)
+
+    def observe_speculative(
+        self,
+        batch_size: int,
+        drafted: dict[str, int],  # proposer -> draft tokens it proposed this step
+        propose_seconds: dict[str, float],  # proposer -> seconds it took
+        verify_seconds: float,  # the target's forward (and verification) this step
+    ) -> None:
+        for name, n in drafted.items():
+            if n > 0:
+                _decayed(self.per_token, name, propose_seconds.get(name, 0.0) / n)
+        total = sum(drafted.values())
+        plain = self.plain_step.get(bucket_of(batch_size))
+        if total > 0 and plain is not None:
+            extra = max(0.0, verify_seconds - plain) / total
+            prev = self.verify_per_token
+            self.verify_per_token = extra if prev is None else 0.9 * prev + 0.1 * extra
+
+
+def _decayed(table: dict[int, float] | dict[str, float], key: int | str, value: float) -> None:
+    prev = table.get(key)
+    table[key] = value if prev is None else 0.9 * prev + 0.1 * value
+
+
+def choose_request_k(track: ProposerTrack, k_max: int, cost: float, base: float) -> int:
+    """This request's k with one proposer for this step, re-probing now and then while at 0."""
+    if k_max <= 0:
+        return 0
+    k = best_k(track.acceptance.rates(k_max, base), cost)
+    if k > 0:
+        track.steps_at_zero, track.probe_every = 0, PROBE_EVERY
+        return k
+    track.steps_at_zero += 1
+    if track.steps_at_zero >= track.probe_every:
+        track.steps_at_zero = 0
+        track.probe_every = min(2 * track.probe_every, MAX_PROBE_EVERY)
+        return min(PROBE_K, k_max)
+    return 0
+
+
+class RequestKPolicy:
+    """Per-request k for every proposer, from the request's own acceptance and the measured cost."""
+
+    def __init__(self, proposers: tuple[str, ...]) -> None:
+        self.proposers = proposers
+        self.cost = DraftCost()
+        self.priors = {name: AcceptanceEstimate() for name in proposers}
+
+    def choose(self, state: RequestSpecState, k_max: int, batch_size: int) -> dict[str, int]:
+        """proposer -> k for this request this step."""
+        return {
+            name: choose_request_k(
+                state.track(name),
+                k_max,
+                self.cost.relative(name, batch_size),
+                self.priors[name].rate(0),
+            )
+            for name in self.proposers
+        }
+
+    def observe(self, state: RequestSpecState, proposer: str, drafted: int, accepted: int) -> None:
+        if drafted <= 0 or proposer not in self.priors:
+            return
+        state.track(proposer).acceptance.observe(drafted, accepted)
+        self.priors[proposer].observe(drafted, accepted, decay=0.99)

@@ -38,6 +38,7 @@ JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ": ",
 }
 MAX_BIAS = 100.0
+FORCED_SOURCE = "grammar"  # the proposer name of grammar-forced drafts (metrics, SpecStats, k)
 log = logging.getLogger("specserve.engine")
 
 # llama.cpp names the rows that pad a GGUF vocabulary `[PAD<id>]`; converted, they look like text.

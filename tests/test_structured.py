@@ -432,3 +432,19 @@ def test_forced_tokens_are_drafted_and_stay_exact(
     sampled = SamplingParams(max_tokens=80, temperature=1.0, seed=5, constraints=constraints)
     for seq in engine.generate(prompts, sampled):
         assert json.loads(engine.tokenizer.decode(seq.output_token_ids))["n"] in range(10)
+
+
+def test_forced_drafts_do_not_wait_for_the_speculation_policy(
+    plain: LLMEngine, tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
+) -> None:
+    """A step where the policy speculates nothing still drafts what the grammar forces."""
+    engine = spec_engine("draft", tiny_model_dir, tiny_draft_dir, 6)
+    engine.scheduler._step_k = lambda: 0  # type: ignore[method-assign]
+    prompts = random_prompts(3, (3, 20), vocab, seed=89)
+    constraints = Constraints(grammar=grammar_from("json", FORCING))
+    params = SamplingParams(max_tokens=80, temperature=0.0, constraints=constraints)
+    seqs = engine.generate(prompts, params)
+    assert [s.output_token_ids for s in seqs] == outputs(plain, prompts, params)
+    for seq in seqs:
+        assert set(seq.spec.by_proposer) == {"grammar"}
+        assert seq.spec.by_proposer["grammar"][1] >= seq.num_output_tokens // 3

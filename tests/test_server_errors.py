@@ -4,6 +4,7 @@ the waiting-queue limit, and aborts when a client disconnects."""
 from __future__ import annotations
 
 import json
+import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -381,3 +382,60 @@ def test_invalid_requests_are_400_even_when_the_queue_is_full(
         server.throttle.delay_s = 0.0
         for t in threads:
             t.join(timeout=60)
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> Any:
+    """Any JSON value, odd strings included (lone surrogates, NULs, huge numbers)."""
+    kind = rng.randrange(9 if depth < 3 else 6)
+    strings = [
+        "",
+        "x",
+        "\udcff",
+        "\x00",
+        "a" * 300,
+        "(",
+        "{",
+        "12",
+        "-1",
+        "get_weather",
+        "json_schema",
+    ]
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rng.choice([True, False])
+    if kind == 2:
+        return rng.choice([0, 1, -1, 5, 101, 2**70, 399, 400])
+    if kind == 3:
+        return rng.choice([0.5, -100.0, 1e308, 3.0])
+    if kind in (4, 5):
+        return rng.choice(strings)
+    if kind in (6, 7):
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(3))]
+    keys = ["type", "json_schema", "schema", "name", "function", "parameters", "properties", "5", "\udcff"]  # fmt: skip
+    return {rng.choice(keys): _random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+FUZZED_FIELDS = [
+    "response_format", "tools", "tool_choice", "logit_bias", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "parallel_tool_calls", "messages", "prompt", "stop",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzzed_bodies_never_5xx(server: RealServer, http: httpx.Client, path: str) -> None:
+    rng = random.Random(7)
+    base: dict[str, Any] = {"max_tokens": 2}
+    base |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": MSG}
+    statuses = []
+    for _ in range(150):
+        body = dict(base)
+        for field in rng.sample(FUZZED_FIELDS, rng.randint(1, 3)):
+            body[field] = _random_value(rng)
+        raw = json.dumps(body)  # lone surrogates go out as \\udcff escapes
+        r = post_raw(http, path, raw)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code != 200:
+            error_of(r, r.status_code)
+        statuses.append(r.status_code)
+    assert 400 in statuses and 200 in statuses and server.engine.is_alive

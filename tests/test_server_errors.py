@@ -429,7 +429,7 @@ def test_fuzzed_bodies_never_5xx(server: RealServer, http: httpx.Client, path: s
     base |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": MSG}
     statuses = []
     for _ in range(150):
-        body = dict(base)
+        body = dict(base, stream=rng.random() < 0.3)
         for field in rng.sample(FUZZED_FIELDS, rng.randint(1, 3)):
             body[field] = _random_value(rng)
         raw = json.dumps(body)  # lone surrogates go out as \\udcff escapes
@@ -437,5 +437,7 @@ def test_fuzzed_bodies_never_5xx(server: RealServer, http: httpx.Client, path: s
         assert r.status_code < 500, (body, r.text)
         if r.status_code != 200:
             error_of(r, r.status_code)
+        elif body["stream"]:
+            assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
         statuses.append(r.status_code)
     assert 400 in statuses and 200 in statuses and server.engine.is_alive

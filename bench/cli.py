@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_CATEGORIES = "code,chat,summarization"
-BUILTIN = "code, chat, summarization, translation, qa, math"
+BUILTIN = "code, chat, summarization, translation, qa, math, structured"
 
 
 def add_parser(sub: Any) -> None:

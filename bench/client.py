@@ -59,6 +59,8 @@ def request_body(prompt: Prompt, settings: RequestSettings, spec: bool) -> dict[
         body["ignore_eos"] = True
     if not spec:
         body["num_speculative_tokens"] = 0
+    if prompt.response_format is not None:
+        body["response_format"] = json.loads(prompt.response_format)
     if prompt.is_chat:
         body["messages"] = prompt.message_dicts()
     else:

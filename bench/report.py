@@ -48,7 +48,8 @@ def speedup_table(rows: list[Row]) -> list[str]:
 def category_table(rows: list[Row], category: str) -> list[str]:
     header = [
         "load", "mode", "out tok/s", "speedup", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms",
-        "E2E p50/p90/p99 s", "accept rate", "mean accept len", "requests (errors)",
+        "E2E p50/p90/p99 s", "accept rate", "mean accept len", "grammar-forced share",
+        "requests (errors)",
     ]  # fmt: skip
     body = []
     for r in (r for r in rows if r["category"] == category):
@@ -58,6 +59,7 @@ def category_table(rows: list[Row], category: str) -> list[str]:
             "/".join(_ms(r.get(f"itl_p{p}_s")) for p in (50, 90, 99)),
             "/".join(_fmt(r.get(f"e2e_p{p}_s")) for p in (50, 90, 99)),
             _fmt(r["acceptance_rate"]), _fmt(r["mean_acceptance_length"]),
+            _fmt(r.get("grammar_forced_share")),
             f"{_fmt(r['num_requests'])} ({_fmt(r['num_errors'])})",
         ])  # fmt: skip
     return _table(header, body)

@@ -12,6 +12,8 @@ _DRAFTS = "spec_decode_num_drafts_total"
 _DRAFT_TOKENS = "spec_decode_num_draft_tokens_total"
 _ACCEPTED = "spec_decode_num_accepted_tokens_total"
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+_BY_PROPOSER = "spec_decode_proposer_accepted_tokens_total"
+_FORCED = "grammar"  # the proposer label of grammar-forced drafts
 
 
 @dataclass
@@ -20,6 +22,7 @@ class SpecCounters:
     num_draft_tokens: float = 0.0
     num_accepted_tokens: float = 0.0
     accepted_per_pos: dict[int, float] = field(default_factory=dict)
+    num_forced_tokens: float = 0.0  # accepted drafts the grammar forced (proposer "grammar")
 
     def __sub__(self, other: SpecCounters) -> SpecCounters:
         positions = set(self.accepted_per_pos) | set(other.accepted_per_pos)
@@ -31,6 +34,7 @@ class SpecCounters:
                 p: self.accepted_per_pos.get(p, 0.0) - other.accepted_per_pos.get(p, 0.0)
                 for p in positions
             },
+            self.num_forced_tokens - other.num_forced_tokens,
         )
 
     def __add__(self, other: SpecCounters) -> SpecCounters:
@@ -39,6 +43,7 @@ class SpecCounters:
             -other.num_draft_tokens,
             -other.num_accepted_tokens,
             {p: -n for p, n in other.accepted_per_pos.items()},
+            -other.num_forced_tokens,
         )
 
     @property
@@ -69,6 +74,8 @@ def parse_spec_counters(text: str) -> SpecCounters:
                 counters.num_draft_tokens += sample.value
             elif name == _ACCEPTED:
                 counters.num_accepted_tokens += sample.value
+            elif name == _BY_PROPOSER and sample.labels.get("proposer") == _FORCED:
+                counters.num_forced_tokens += sample.value
             elif name == _PER_POS and "position" in sample.labels:
                 pos = int(sample.labels["position"])
                 counters.accepted_per_pos[pos] = (

@@ -44,6 +44,8 @@ def mode_figures(run: ModeRun) -> Row:
     row.update(percentiles([r.e2e_s for r in ok if r.e2e_s is not None], "e2e"))
     row.update(percentiles([t for r in ok if (t := r.tpot_s) is not None], "tpot"))
     row.update(acceptance_figures(run))
+    forced = run.counters.num_forced_tokens if run.counters is not None else 0.0
+    row["grammar_forced_share"] = forced / tokens if tokens and forced else None
     return row
 
 

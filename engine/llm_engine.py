@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import structured
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -17,6 +18,7 @@ from engine.loader import load_model
 from engine.model_runner import ForwardInput, ModelRunner
 from engine.outputs import RequestOutput, RequestTimes, SpecStats, StepStats, TokenLogprob
 from engine.proposers import DraftModelProposer, HybridProposer, NgramProposer, Proposal, Proposer
+from engine.proposers.forced import ForcedDraftProposer
 from engine.rejection_sampler import verify_batch
 from engine.sampler import logprobs_of
 from engine.sampling_params import SamplingParams
@@ -56,7 +58,7 @@ class LLMEngine:
             else None
         )
         self.request_k = RequestKPolicy(spec.proposers) if spec.enabled and spec.adaptive else None
-        self.proposer: Proposer = self._build_proposer()
+        self.proposer: Proposer = ForcedDraftProposer(self._build_proposer())
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
             runner.allocate_kv_cache(num_blocks)
@@ -92,6 +94,7 @@ class LLMEngine:
             ),
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
             num_speculative_tokens=k,
+            constraint=structured.new_state(params.constraints, self.tokenizer),
         )
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]
@@ -105,6 +108,10 @@ class LLMEngine:
         vocab = self.target.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.constraints is not None and any(
+            not 0 <= t < vocab for t, _ in params.constraints.logit_bias
+        ):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -249,8 +256,9 @@ class LLMEngine:
         vocab_size = target_logits.shape[1]
         seqs = [batch[i].seq for i in ends]
         drafts = [proposals[i].token_ids for i in ends]
+        constrained = structured.constrain_verify_rows(seqs, target_logits, drafts)
         tokens = verify_batch(
-            target_logits,
+            constrained,
             drafts,
             [self._match_vocab(proposals[i].probs, vocab_size) for i in ends],
             [seq.params for seq in seqs],
@@ -318,6 +326,8 @@ class LLMEngine:
             return "stop", token
         if stop_string is not None:
             return "stop", stop_string
+        if structured.advance(seq, token):  # the grammar is complete
+            return "stop", None
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length", None
         return None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured import Constraints
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,6 +24,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # same for prompt tokens (echo)
     skip_special_tokens: bool = True
     num_speculative_tokens: int | None = None  # None: the server's k; 0: no speculation
+    # logit_bias and grammar (engine/structured.py); None: unconstrained
+    constraints: Constraints | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine import structured
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
@@ -171,6 +172,10 @@ class Scheduler:
             # No draft-model forward in the step that finishes a long prompt: the draft would prefill
             # it first and delay the first token. It catches up in the next step instead.
             item.spec_k["draft"] = 0
+        # Tokens the grammar forces are free, always-right drafts: room for them whatever k says.
+        forced = structured.forced_tokens(seq, min(seq.num_speculative_tokens, room))
+        if forced:
+            item.spec_k[structured.FORCED_SOURCE] = len(forced)
         item.num_spec_tokens = max(item.spec_k.values(), default=0)
         return item
 

@@ -11,6 +11,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestTimes, SpecStats, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.spec_k import RequestSpecState
+from engine.structured import ConstraintState
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +49,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_done: bool = False
     first_output_sent: bool = False
+    # The grammar matcher and logit_bias (engine/structured.py), advanced by emitted tokens only
+    constraint: ConstraintState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import secrets
@@ -21,6 +20,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine import structured
 from server.errors import RETRY_AFTER, APIError, bad_request, not_ready
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import (
@@ -32,7 +32,10 @@ from server.protocol import (
     ModelWeights,
     TokenizeRequest,
 )
+from server.request_body import parse_json
 from server.serving import ClientDisconnected, OpenAIServing, Stream, as_api_error
+from server.serving_chat import OpenAIServingChat
+from server.serving_completion import OpenAIServingCompletion
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -46,6 +49,23 @@ M = TypeVar("M", bound=BaseModel)
 _UNION_TAG = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]")
 
 
+@dataclass(frozen=True)
+class Endpoints:
+    """One serving object per endpoint, all on the same engine."""
+
+    common: OpenAIServing
+    completions: OpenAIServingCompletion
+    chat: OpenAIServingChat
+
+    @classmethod
+    def build(cls, engine: AsyncLLM, settings: Settings, metrics: Metrics) -> Endpoints:
+        return cls(
+            OpenAIServing(engine, settings, metrics),
+            OpenAIServingCompletion(engine, settings, metrics),
+            OpenAIServingChat(engine, settings, metrics),
+        )
+
+
 @dataclass
 class ServerState:
     """What the routes share; `serving` is set once the engine is loaded and started."""
@@ -53,7 +73,7 @@ class ServerState:
     settings: Settings
     metrics: Metrics
     engine: AsyncLLM | None = None
-    serving: OpenAIServing | None = None
+    serving: Endpoints | None = None
     shutting_down: bool = False
     load_error: str | None = None
     background: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -111,9 +131,11 @@ async def _attach(state: ServerState, engine: AsyncLLM) -> None:
     num_blocks = getattr(engine, "num_kv_blocks", None)
     if isinstance(num_blocks, int):
         state.metrics.set_cache_config(state.settings.block_size, num_blocks)
+    warm = asyncio.create_task(asyncio.to_thread(structured.warm_up, engine.tokenizer))
+    state.background.add(warm)
     await engine.start()
     state.engine = engine
-    state.serving = OpenAIServing(engine, state.settings, state.metrics)
+    state.serving = Endpoints.build(engine, state.settings, state.metrics)
     if state.on_ready is not None:
         state.on_ready()
 
@@ -135,7 +157,7 @@ async def _load_and_attach(
 # ---------------------------------------------------------------------------- routes
 
 
-def ready_serving(request: Request) -> OpenAIServing:
+def ready_serving(request: Request) -> Endpoints:
     state: ServerState = request.app.state.server
     if state.shutting_down:
         raise not_ready("the server is shutting down")
@@ -144,17 +166,14 @@ def ready_serving(request: Request) -> OpenAIServing:
     return state.serving
 
 
-Serving = Annotated[OpenAIServing, Depends(ready_serving)]
+Serving = Annotated[Endpoints, Depends(ready_serving)]
 
 
 def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
     """Parse the body as JSON whatever the Content-Type says (`curl -d` sends a form type)."""
 
     async def parse(request: Request) -> M:
-        try:
-            data = json.loads(await request.body())
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError too
-            raise bad_request(f"malformed JSON body: {exc}") from None
+        data = parse_json(await request.body())
         try:
             return model.model_validate(data)
         except ValidationError as exc:
@@ -173,23 +192,22 @@ def _api_routes(state: ServerState) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/completions")
-    async def completions(req: CompletionBody, raw: Request, s: Serving) -> Response:
-        s.check_model(req.model)
-        s.check_capacity()
+    async def completions(req: CompletionBody, raw: Request, e: Serving) -> Response:
+        e.common.check_model(req.model)
         if req.stream:
-            return _sse(s, s.stream_completion(req), state.settings)
-        return JSONResponse((await s.completion(req, raw)).model_dump())
+            return _sse(e.common, await e.completions.create_stream(req), state.settings)
+        return JSONResponse((await e.completions.create(req, raw)).model_dump())
 
     @router.post("/v1/chat/completions")
-    async def chat(req: ChatBody, raw: Request, s: Serving) -> Response:
-        s.check_model(req.model)
-        s.check_capacity()
+    async def chat(req: ChatBody, raw: Request, e: Serving) -> Response:
+        e.common.check_model(req.model)
         if req.stream:
-            return _sse(s, s.stream_chat(req), state.settings)
-        return JSONResponse((await s.chat(req, raw)).model_dump())
+            return _sse(e.common, await e.chat.create_stream(req), state.settings)
+        return JSONResponse((await e.chat.create(req, raw)).model_dump())
 
     @router.get("/v1/models")
-    async def models(s: Serving) -> ModelList:
+    async def models(e: Serving) -> ModelList:
+        s = e.common
         weights = _model_weights(state.engine)
         card = ModelCard(
             id=s.model_name,
@@ -201,25 +219,26 @@ def _api_routes(state: ServerState) -> APIRouter:
         return ModelList(data=[card])
 
     @router.post("/tokenize")
-    async def tokenize(req: TokenizeBody, s: Serving) -> dict[str, Any]:
+    async def tokenize(req: TokenizeBody, e: Serving) -> dict[str, Any]:
+        s = e.common
         s.check_model(req.model)
         if req.messages is not None:
-            ids = s.tokenizer.encode(s.chat_prompt(req), add_special_tokens=False)
+            ids = s.tokenizer.encode(e.chat.chat_prompt(req), add_special_tokens=False)
         else:
             ids = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": s.max_model_len}
 
     @router.post("/detokenize")
-    async def detokenize(req: DetokenizeBody, s: Serving) -> dict[str, Any]:
-        s.check_model(req.model)
+    async def detokenize(req: DetokenizeBody, e: Serving) -> dict[str, Any]:
+        e.common.check_model(req.model)
         try:
-            return {"prompt": s.tokenizer.decode(req.tokens)}
+            return {"prompt": e.common.tokenizer.decode(req.tokens)}
         except (ValueError, IndexError, TypeError, OverflowError) as exc:
             raise bad_request(f"cannot decode these tokens: {exc}", "tokens") from None
 
     @router.get("/tokenizer_info")
-    async def tokenizer_info(s: Serving) -> dict[str, Any]:
-        return _tokenizer_info(s)
+    async def tokenizer_info(e: Serving) -> dict[str, Any]:
+        return _tokenizer_info(e.common)
 
     @router.get("/version")
     async def version_route() -> dict[str, str]:

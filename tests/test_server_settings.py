@@ -148,3 +148,25 @@ def test_engine_config() -> None:
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_validate(config: Path) -> None:
     Settings.load(config).engine_config()
+
+
+def test_serve_without_a_model_serves_the_bundled_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As `make serve` does: the shipped default config, or its bundled pair without one."""
+    s = serve_cmd.load_settings(None, flags_of(parse("--port", "9100")))
+    shipped = Settings.load(ROOT / "configs" / "default.yaml")
+    assert s.model == shipped.model == serve_cmd.BUNDLED_PAIR["model"]
+    assert s.draft_model == serve_cmd.BUNDLED_PAIR["draft_model"]
+    assert s.speculative_method == "draft" and s.port == 9100
+    assert s.model_dump(exclude={"port"}) == shipped.model_dump(exclude={"port"})
+    monkeypatch.setattr(serve_cmd, "DEFAULT_CONFIG", ROOT / "no-such.yaml")
+    s = serve_cmd.load_settings(None, {})
+    assert (s.model, s.draft_model, s.speculative_method) == (
+        shipped.model, shipped.draft_model, "draft",
+    )  # fmt: skip
+    assert s.served_model_name == shipped.served_model_name
+
+
+def test_a_named_model_needs_no_default_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert serve_cmd.load_settings(None, flags_of(parse("--model", "m"))).model == "m"
+    monkeypatch.setenv("SPECSERVE_MODEL", "env-model")
+    assert serve_cmd.load_settings(None, {}).model == "env-model"

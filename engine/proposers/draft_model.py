@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import structured
 from engine.model_runner import ForwardInput, ModelRunner
 from engine.proposers.base import Proposal
 from engine.sampler import processed_probs, sample
@@ -76,6 +77,7 @@ class DraftModelProposer:
         """Draft one token for each active request; False where the draft is no longer confident."""
         seqs = [item.seq for item in items]
         history = [seq.output_token_ids + drafts[key] for seq, key in zip(seqs, keys, strict=True)]
+        logits = structured.constrain_draft_logits(seqs, logits, [drafts[key] for key in keys])
         step_probs = processed_probs(logits, [seq.params for seq in seqs], history)
         tokens = sample(step_probs, [seq.generator for seq in seqs])
         # Confidence uses the raw draft distribution, so greedy (one-hot) rows are judged too.

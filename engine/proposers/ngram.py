@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine import structured
 from engine.config import SpeculativeConfig
 from engine.proposers.base import Proposal
 from engine.scheduler import ScheduledSeq
@@ -33,5 +34,7 @@ class NgramProposer:
         k = item.k_for(self.name)
         if k == 0:
             return Proposal.empty()
-        drafts = ngram_lookup(item.seq.token_ids, k, self.n_min, self.n_max)
+        drafts = structured.cut_drafts(
+            item.seq, ngram_lookup(item.seq.token_ids, k, self.n_min, self.n_max)
+        )
         return Proposal(drafts, source=self.name) if drafts else Proposal.empty()

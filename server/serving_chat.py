@@ -1,0 +1,197 @@
+"""/v1/chat/completions: a conversation through the chat template to an assistant message,
+whole or streamed; with tools, the model's `<tool_call>` blocks become `message.tool_calls`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+
+from engine.outputs import RequestOutput, TokenLogprob
+from server.errors import bad_request
+from server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    TokenizeRequest,
+    ToolCall,
+    TopLogprob,
+    random_id,
+)
+from server.serving import (
+    Choice,
+    Job,
+    OpenAIServing,
+    Stream,
+    spec_summary,
+    total_spec,
+    usage_of,
+)
+from server.tool_parser import ParsedDelta, ToolCallParser, parse_message
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> ChatCompletionResponse:
+        response_id = random_id("chatcmpl")
+        jobs = await self.chat_jobs(req, response_id)
+        choices = await self.collect(raw, jobs)
+        return ChatCompletionResponse(
+            id=response_id,
+            model=self.model_name,
+            choices=[self.chat_choice(req, c) for c in choices],
+            usage=usage_of(choices),
+            prompt_token_ids=jobs[0].prompt_ids if req.return_token_ids else None,
+            spec_decode=total_spec(choices),
+        )
+
+    async def create_stream(self, req: ChatCompletionRequest) -> Stream:
+        response_id = random_id("chatcmpl")
+        jobs = await self.chat_jobs(req, response_id)
+        return self.stream(
+            jobs, req, lambda c, o: [self._chunk(response_id, req, c, o)], _usage_chunk
+        )
+
+    # ------------------------------------------------------------------ prompt
+
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
+        messages = [m.template_dict() for m in req.messages or []]
+        continue_final = getattr(req, "continue_final_message", False)
+        tools = None
+        if isinstance(req, ChatCompletionRequest) and req.uses_tools:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt and not continue_final,
+                continue_final_message=continue_final,
+            )
+        except Exception as exc:  # a template that rejects the conversation
+            raise bad_request(f"chat template failed: {exc}", "messages") from None
+        return str(text)
+
+    async def chat_jobs(self, req: ChatCompletionRequest, response_id: str) -> list[Job]:
+        text = self.chat_prompt(req)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise bad_request("the conversation renders to an empty prompt", "messages")
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_new_tokens or max(1, self.max_model_len - len(ids))
+        constraints = await self.constraints(req, req.grammar_request())
+        jobs = self.jobs(req, response_id, [(ids, text)], max_tokens, param, constraints)
+        self.check_capacity()
+        return jobs
+
+    # ------------------------------------------------------------------ responses
+
+    def chat_choice(self, req: ChatCompletionRequest, c: Choice) -> ChatChoice:
+        message = ChatResponseMessage(content=c.text)
+        finish_reason = c.finish_reason
+        if req.uses_tools:
+            parsed = parse_message(c.text, req.tool_names)
+            calls = [ToolCall.model_validate(call) for call in parsed.calls]
+            message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
+            finish_reason = _finish_reason(finish_reason, bool(calls))
+        return ChatChoice(
+            index=c.job.index,
+            message=message,
+            logprobs=self.chat_logprobs(req, c.logprobs),
+            finish_reason=finish_reason,
+            stop_reason=c.stop_reason,
+            prompt_token_ids=c.job.prompt_ids if req.return_token_ids else None,
+            token_ids=c.token_ids if req.return_token_ids else None,
+            spec_decode=spec_summary(c.spec),
+        )
+
+    def _chunk(
+        self, response_id: str, req: ChatCompletionRequest, c: Choice, out: RequestOutput
+    ) -> ChatCompletionChunk:
+        first = c.num_outputs == 1
+        delta = DeltaMessage(role="assistant" if first else None, content=out.new_text)
+        finish_reason = c.finish_reason
+        if req.uses_tools:
+            delta, has_calls = _tool_delta(c, out, req.tool_names)
+            delta.role = "assistant" if first else None
+            finish_reason = _finish_reason(finish_reason, has_calls)
+        choice = ChatChunkChoice(
+            index=c.job.index,
+            delta=delta,
+            logprobs=self.chat_logprobs(req, out.new_logprobs or []),
+            finish_reason=finish_reason,
+            stop_reason=c.stop_reason if out.finished else None,
+            prompt_token_ids=c.job.prompt_ids if req.return_token_ids and first else None,
+            token_ids=out.new_token_ids if req.return_token_ids else None,
+            spec_decode=spec_summary(c.spec) if out.finished else None,
+        )
+        prompt_ids = c.job.prompt_ids if req.return_token_ids and first else None
+        return ChatCompletionChunk(
+            id=response_id, model=self.model_name, choices=[choice], prompt_token_ids=prompt_ids
+        )
+
+    # ------------------------------------------------------------------ logprobs
+
+    def chat_logprobs(
+        self, req: ChatCompletionRequest, logprobs: list[TokenLogprob]
+    ) -> ChatLogprobs | None:
+        if not req.logprobs:
+            return None
+        num_top = req.top_logprobs or 0
+        content = [
+            ChatTokenLogprob(
+                **self._top_logprob(lp.token_id, lp.logprob).model_dump(),
+                top_logprobs=[self._top_logprob(t, v) for t, v in lp.top[:num_top]],
+            )
+            for lp in logprobs
+        ]
+        return ChatLogprobs(content=content)
+
+    def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.token_text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+
+def _tool_delta(
+    c: Choice, out: RequestOutput, tool_names: frozenset[str]
+) -> tuple[DeltaMessage, bool]:
+    """This output's text through the choice's tool-call parser (one per choice)."""
+    if c.state is None:
+        c.state = ToolCallParser(tool_names=tool_names)
+    parser: ToolCallParser = c.state
+    parsed = parser.feed(out.new_text)
+    if out.finished:
+        rest = parser.finish()
+        parsed = ParsedDelta(parsed.content + rest.content, parsed.calls + rest.calls)
+    calls = [
+        DeltaToolCall(
+            index=call.index,
+            id=call.id,
+            type="function" if call.id is not None else None,
+            function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+        )
+        for call in parsed.calls
+    ]
+    delta = DeltaMessage(content=parsed.content or None, tool_calls=calls or None)
+    return delta, parser.has_calls
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+def _usage_chunk(last: Any, choices: list[Choice]) -> ChatCompletionChunk:
+    update = {
+        "choices": [],
+        "usage": usage_of(choices),
+        "spec_decode": total_spec(choices),
+        "prompt_token_ids": None,
+    }
+    return last.model_copy(update=update)  # type: ignore[no-any-return]

@@ -98,7 +98,9 @@ class _ScriptedProposer:
         right = self.futures[seq.request_id][done : done + k]
         if seq.request_id.startswith("bad"):
             right = [(t + 1) % self.vocab for t in right]
-        frontier = seq.num_computed_tokens + item.num_new_tokens + len(right) - 1  # as a draft would
+        frontier = (
+            seq.num_computed_tokens + item.num_new_tokens + len(right) - 1
+        )  # as a draft would
         return Proposal(right, None, self.name, frontier) if right else Proposal.empty()
 
 

@@ -30,7 +30,9 @@ BUNDLED_PAIR: dict[str, Any] = {
     "model": "bundled:qwen2.5-coder-1.5b-instruct",
     "draft_model": "bundled:qwen2.5-coder-0.5b-instruct",
     "served_model_name": "qwen2.5-coder-1.5b-instruct",
-    "speculative_method": "draft",
+    "speculative_method": "hybrid",
+    "num_speculative_tokens": 3,
+    "ngram_min": 2,
 }
 
 

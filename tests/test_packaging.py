@@ -230,7 +230,7 @@ def test_default_config_is_the_bundled_pair(clean_env: None) -> None:
     from engine import bundled
 
     settings = Settings.load(ROOT / "configs" / "default.yaml")
-    assert settings.speculative_method == "draft"
+    assert settings.speculative_method == "hybrid"
     for model in (settings.model, settings.draft_model):
         assert model is not None and model.startswith("bundled:")
         bundled.lookup(model)

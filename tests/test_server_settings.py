@@ -156,12 +156,12 @@ def test_serve_without_a_model_serves_the_bundled_pair(monkeypatch: pytest.Monke
     shipped = Settings.load(ROOT / "configs" / "default.yaml")
     assert s.model == shipped.model == serve_cmd.BUNDLED_PAIR["model"]
     assert s.draft_model == serve_cmd.BUNDLED_PAIR["draft_model"]
-    assert s.speculative_method == "draft" and s.port == 9100
+    assert s.speculative_method == "hybrid" and s.port == 9100
     assert s.model_dump(exclude={"port"}) == shipped.model_dump(exclude={"port"})
     monkeypatch.setattr(serve_cmd, "DEFAULT_CONFIG", ROOT / "no-such.yaml")
     s = serve_cmd.load_settings(None, {})
     assert (s.model, s.draft_model, s.speculative_method) == (
-        shipped.model, shipped.draft_model, "draft",
+        shipped.model, shipped.draft_model, "hybrid",
     )  # fmt: skip
     assert s.served_model_name == shipped.served_model_name
 

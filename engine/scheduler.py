@@ -168,10 +168,7 @@ class Scheduler:
         item.spec_k = {
             name: max(0, min(k, room)) for name, k in self._request_k(seq, step_k).items()
         }
-        if (
-            item.num_prompt_tokens > 0
-            and seq.num_tokens - seq.num_draft_computed_tokens > FREE_CATCH_UP
-        ):
+        if item.num_prompt_tokens > 0 and seq.num_tokens - seq.num_draft_computed_tokens > 32:
             # No draft-model forward in the step that finishes a long prompt: the draft would prefill
             # it first and delay the first token. It catches up in the next step instead.
             item.spec_k["draft"] = 0

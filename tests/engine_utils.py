@@ -5,7 +5,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import torch
+from scipy import stats
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig, SpeculativeConfig
@@ -68,3 +70,19 @@ def outputs(
     engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
 ) -> list[list[int]]:
     return [seq.output_token_ids for seq in engine.generate(prompts, params)]
+
+
+def chi_square_pvalue(
+    pairs: list[tuple[int, int]], probs: np.ndarray, max_cells: int = 200
+) -> float:
+    """Chi-square p-value of sampled token pairs against their exact joint probs [vocab, vocab]:
+    the likeliest cells with enough expected mass, the rest pooled into one."""
+    flat = probs.ravel()
+    cells = [c for c in np.argsort(flat)[::-1] if flat[c] * len(pairs) >= 5][:max_cells]
+    index = {c: i for i, c in enumerate(cells)}
+    observed = np.zeros(len(cells) + 1)
+    vocab = probs.shape[1]
+    for t1, t2 in pairs:
+        observed[index.get(t1 * vocab + t2, len(cells))] += 1
+    expected = np.append(flat[cells], 1 - flat[cells].sum()) * len(pairs)
+    return float(stats.chisquare(observed, expected).pvalue)

@@ -7,8 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
-from scipy import stats
+from engine_utils import (
+    chi_square_pvalue,
+    greedy,
+    hf_model,
+    make_engine,
+    outputs,
+    random_prompts,
+)
 
 from engine.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
@@ -135,19 +141,6 @@ def _sample_pairs(engine: LLMEngine, prompt: list[int]) -> tuple[list[tuple[int,
     return pairs, sum(s.spec.num_draft_tokens for s in seqs)
 
 
-def _chi_square_pvalue(pairs: list[tuple[int, int]], probs: np.ndarray) -> float:
-    flat = probs.ravel()
-    order = np.argsort(flat)[::-1]
-    cells = [c for c in order if flat[c] * len(pairs) >= 5][:200]  # cells with enough expected mass
-    index = {c: i for i, c in enumerate(cells)}
-    observed = np.zeros(len(cells) + 1)
-    vocab = probs.shape[1]
-    for t1, t2 in pairs:
-        observed[index.get(t1 * vocab + t2, len(cells))] += 1
-    expected = np.append(flat[cells], 1 - flat[cells].sum()) * len(pairs)
-    return float(stats.chisquare(observed, expected).pvalue)
-
-
 @pytest.mark.parametrize("kind", ["none", "draft", "ngram", "hybrid"])
 def test_sampled_pairs_follow_target_distribution(
     kind: str, tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
@@ -186,7 +179,7 @@ def test_sampled_pairs_follow_target_distribution(
     pairs, drafted = _sample_pairs(engine, prompt)
     assert (drafted > 0) == (kind != "none")
     assert len(set(pairs)) > 10  # not vacuous: sampling really spreads over many pairs
-    assert _chi_square_pvalue(pairs, _exact_pair_probs(tiny_model_dir, prompt)) > 1e-3
+    assert chi_square_pvalue(pairs, _exact_pair_probs(tiny_model_dir, prompt)) > 1e-3
 
 
 @pytest.mark.parametrize("p_min", [0.0, 0.3])

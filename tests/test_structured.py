@@ -20,8 +20,14 @@ import numpy as np
 import openai
 import pytest
 import torch
-from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
-from scipy import stats
+from engine_utils import (
+    chi_square_pvalue,
+    greedy,
+    hf_model,
+    make_engine,
+    outputs,
+    random_prompts,
+)
 from server_utils import real_server
 from tiny import build_tiny_tokenizer
 from transformers import AutoTokenizer
@@ -202,18 +208,6 @@ def exact_masked_pairs(model_dir: Path, tokenizer: object, prompt: list[int]) ->
     return probs.numpy()
 
 
-def chi_square_pvalue(pairs: list[tuple[int, int]], probs: np.ndarray) -> float:
-    flat = probs.ravel()
-    cells = [c for c in np.argsort(flat)[::-1] if flat[c] * len(pairs) >= 5][:150]
-    index = {c: i for i, c in enumerate(cells)}
-    observed = np.zeros(len(cells) + 1)
-    vocab = probs.shape[1]
-    for t1, t2 in pairs:
-        observed[index.get(t1 * vocab + t2, len(cells))] += 1
-    expected = np.append(flat[cells], 1 - flat[cells].sum()) * len(pairs)
-    return float(stats.chisquare(observed, expected).pvalue)
-
-
 @pytest.mark.parametrize("kind", ["none", "draft", "ngram"])
 def test_sampled_pairs_follow_the_masked_distribution(
     kind: str, tiny_model_dir: Path, tiny_draft_dir: Path, tokenizer: object, vocab: int
@@ -241,7 +235,7 @@ def test_sampled_pairs_follow_the_masked_distribution(
     assert len(set(pairs)) > 10
     probs = exact_masked_pairs(tiny_model_dir, tokenizer, prompt)
     assert all(probs[t1, t2] > 0 for t1, t2 in pairs)  # nothing outside the mask, ever
-    assert chi_square_pvalue(pairs, probs) > 1e-3
+    assert chi_square_pvalue(pairs, probs, max_cells=150) > 1e-3
 
 
 # ---- logit_bias ------------------------------------------------------------------------------

@@ -22,6 +22,13 @@ from engine.spec_policy import bucket_of
 
 DECAY = 0.8  # per observation: a request's text changes character within tens of tokens
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the global acceptance behind a fresh estimate
+# The global acceptance itself starts from this rate with this many pseudo-observations, so a few
+# failures of the first requests cannot talk every later request out of drafting.
+GLOBAL_PRIOR_RATE = 0.6
+GLOBAL_PRIOR_WEIGHT = 4.0
+# Until the draft model has been verified this often over all requests, its catch-up is not priced:
+# the engine must see the draft work on this traffic before it can judge whether it pays.
+EXPLORE_DRAFTS = 20.0
 PROBE_K = 2  # drafts given to a request at k = 0 when it is re-probed
 PROBE_EVERY = 8  # steps at k = 0 before the first re-probe; doubles while probes keep losing
 MAX_PROBE_EVERY = 64
@@ -63,6 +70,15 @@ class AcceptanceEstimate:
             base = (a + PRIOR_WEIGHT * base) / (n + PRIOR_WEIGHT)
             out.append(base)
         return out
+
+    def pooled_rate(self) -> float:
+        """The first position's rate over all requests, behind GLOBAL_PRIOR_WEIGHT pseudo-counts."""
+        n, a = (self.reached[0], self.accepted[0]) if self.reached else (0.0, 0.0)
+        return (a + GLOBAL_PRIOR_WEIGHT * GLOBAL_PRIOR_RATE) / (n + GLOBAL_PRIOR_WEIGHT)
+
+    @property
+    def evidence(self) -> float:
+        return self.reached[0] if self.reached else 0.0
 
     def rate(self, j: int) -> float:
         """The raw rate at one position (0.5 where never observed)."""
@@ -204,9 +220,11 @@ class RequestKPolicy:
         for name in self.proposers:
             cost = self.cost.relative(name, batch_size)
             track = state.track(name)
-            k = choose_request_k(track, k_max, cost, self.priors[name].rate(0))
-            if name == "draft" and k > 0 and draft_lag > FREE_CATCH_UP:
-                rates = track.acceptance.rates(k, self.priors[name].rate(0))
+            prior = self.priors[name]
+            k = choose_request_k(track, k_max, cost, prior.pooled_rate())
+            explored = prior.evidence >= EXPLORE_DRAFTS
+            if name == "draft" and k > 0 and draft_lag > FREE_CATCH_UP and explored:
+                rates = track.acceptance.rates(k, prior.pooled_rate())
                 k = k if self._catch_up_pays(rates, cost, draft_lag, remaining, batch_size) else 0
             ks[name] = k
         return ks

@@ -95,10 +95,12 @@ def test_policy_keeps_separate_records_per_proposer() -> None:
 def test_draft_catches_up_only_where_the_rest_of_the_request_pays_for_it() -> None:
     policy = RequestKPolicy(("draft",))
     state = RequestSpecState()
-    for _ in range(10):
-        policy.observe(state, "draft", 3, 2)
     policy.cost.relative = lambda proposer, batch_size: 0.3  # type: ignore[method-assign]
     policy.cost.catch_up = lambda batch_size: 0.15  # type: ignore[method-assign]
+    # Before the draft was seen at work on this traffic, it explores: catch-up is not priced yet.
+    assert policy.choose(RequestSpecState(), 3, 1, draft_lag=300, remaining=64)["draft"] > 0
+    for _ in range(30):
+        policy.observe(state, "draft", 3, 2)
     # 300 prompt tokens to catch up on: 45 plain steps' worth of draft time
     assert policy.choose(state, 3, 1, draft_lag=300, remaining=64)["draft"] == 0
     assert policy.choose(state, 3, 1, draft_lag=300, remaining=1000)["draft"] > 0
@@ -110,3 +112,11 @@ def test_catch_up_cost_is_measured() -> None:
     cost.observe_plain(1, 0.2)
     cost.observe_catch_up(100, 3.0)  # 30 ms a token against a 200 ms step
     assert cost.catch_up(1) == pytest.approx(0.15)
+
+
+def test_a_few_early_failures_do_not_talk_everyone_out_of_drafting() -> None:
+    policy = RequestKPolicy(("ngram",))
+    policy.cost.relative = lambda proposer, batch_size: 0.05  # type: ignore[method-assign]
+    first = RequestSpecState()
+    policy.observe(first, "ngram", 2, 0)
+    assert policy.choose(RequestSpecState(), 3, 1)["ngram"] > 0  # a new request still drafts

@@ -27,6 +27,7 @@ from server.errors import APIError, bad_request, not_ready
 from server.metrics import Metrics
 from server.protocol import GrammarRequest, SamplingFields, SpecDecodeSummary, UsageInfo, now
 from server.settings import Settings
+from server.tool_parser import tool_tags_as_tokens
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncLLM
@@ -167,6 +168,8 @@ class OpenAIServing:
             return Constraints(logit_bias=bias)
         try:
             text = structured.grammar_from(grammar.kind, grammar.spec)
+            if grammar.param == "tool_choice":
+                text = tool_tags_as_tokens(text, self.tokenizer)
             await asyncio.to_thread(structured.check_grammar, text, self.tokenizer)
         except ValueError as exc:
             raise bad_request(f"{grammar.param}: {exc}", grammar.param) from None

@@ -257,3 +257,14 @@ def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def tool_tags_as_tokens(grammar: str, tokenizer: Any) -> str:
+    """Where the tokenizer has `<tool_call>` / `</tool_call>` as special tokens (Qwen2.5), the model
+    emits them as single tokens, which a grammar's text literal never matches: refer to the tokens."""
+    special = set(getattr(tokenizer, "all_special_tokens", [])) | set(tokenizer.get_added_vocab())
+    if START in special:
+        grammar = grammar.replace(f'"{START}\\n"', f'{START} "\\n"')
+    if END in special:
+        grammar = grammar.replace(f'"\\n{END}"', f'"\\n" {END}')
+    return grammar

@@ -360,7 +360,9 @@ class ChatCompletionRequest(SamplingFields):
         if not forced:
             return super().grammar_request()
         functions = [f.model_dump(exclude_none=True) for f in forced]
-        grammar = tool_call_grammar(functions, parallel=self.parallel_tool_calls is not False)
+        # Several calls only when asked for: the model rarely ends a run of calls by itself (its
+        # turn end, <|im_end|>, is not the end of text a grammar may stop at).
+        grammar = tool_call_grammar(functions, parallel=self.parallel_tool_calls is True)
         return GrammarRequest("tool_choice", "lark", grammar)
 
     def logprob_counts(self) -> tuple[int | None, int | None]:

@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -167,14 +167,7 @@ def gguf_metadata(path: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{out}.lock"):
         if not (out / _CONVERTED_DONE).exists():
-            tmp = Path(tempfile.mkdtemp(prefix=".meta-", dir=out.parent))
-            try:
-                _save_config_and_tokenizer(path, tmp)
-                tmp.chmod(0o755)
-                shutil.rmtree(out, ignore_errors=True)
-                tmp.rename(out)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            _build_atomically(out, ".meta-", lambda tmp: _save_config_and_tokenizer(path, tmp))
     _prune_stale(path, out)
     return out
 
@@ -205,17 +198,23 @@ def _prune_stale(path: Path, keep: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _convert_into(path: Path, out: Path) -> None:
-    _log(f"converting {path.name} to bfloat16 safetensors (once; takes a minute or more)")
-    started = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+def _build_atomically(out: Path, prefix: str, fill: Callable[[Path], None]) -> None:
+    """Fill a fresh temporary folder beside `out`, then rename it into place: a reader never sees
+    a half-written folder, and a failed build leaves nothing behind."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
     try:
-        _convert_gguf(path, tmp)
+        fill(tmp)
         tmp.chmod(0o755)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_into(path: Path, out: Path) -> None:
+    _log(f"converting {path.name} to bfloat16 safetensors (once; takes a minute or more)")
+    started = time.monotonic()
+    _build_atomically(out, ".converting-", lambda tmp: _convert_gguf(path, tmp))
     _log(f"converted in {time.monotonic() - started:.0f}s -> {out}")
 
 

@@ -80,12 +80,6 @@ class AcceptanceEstimate:
     def evidence(self) -> float:
         return self.reached[0] if self.reached else 0.0
 
-    def rate(self, j: int) -> float:
-        """The raw rate at one position (0.5 where never observed)."""
-        if j < len(self.reached) and self.reached[j] > 1e-6:
-            return self.accepted[j] / self.reached[j]
-        return 0.5
-
 
 @dataclass
 class ProposerTrack:
@@ -154,11 +148,11 @@ class DraftCost:
 
     def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
         per_token = seconds / max(1, num_tokens)
-        prev = self.catch_up_per_token
-        self.catch_up_per_token = per_token if prev is None else 0.7 * prev + 0.3 * per_token
+        self.catch_up_per_token = _ewma(self.catch_up_per_token, per_token, 0.3)
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
-        _decayed(self.plain_step, bucket_of(batch_size), seconds)
+        bucket = bucket_of(batch_size)
+        self.plain_step[bucket] = _ewma(self.plain_step.get(bucket), seconds)
 
     def observe_speculative(
         self,
@@ -169,18 +163,18 @@ class DraftCost:
     ) -> None:
         for name, n in drafted.items():
             if n > 0:
-                _decayed(self.per_token, name, propose_seconds.get(name, 0.0) / n)
+                per_token = propose_seconds.get(name, 0.0) / n
+                self.per_token[name] = _ewma(self.per_token.get(name), per_token)
         total = sum(drafted.values())
         plain = self.plain_step.get(bucket_of(batch_size))
         if total > 0 and plain is not None:
             extra = max(0.0, verify_seconds - plain) / total
-            prev = self.verify_per_token
-            self.verify_per_token = extra if prev is None else 0.9 * prev + 0.1 * extra
+            self.verify_per_token = _ewma(self.verify_per_token, extra)
 
 
-def _decayed(table: dict[int, float] | dict[str, float], key: int | str, value: float) -> None:
-    prev = table.get(key)
-    table[key] = value if prev is None else 0.9 * prev + 0.1 * value
+def _ewma(prev: float | None, value: float, weight: float = 0.1) -> float:
+    """Exponentially weighted mean: the first value as is, then `weight` for each new one."""
+    return value if prev is None else (1.0 - weight) * prev + weight * value
 
 
 def choose_request_k(track: ProposerTrack, k_max: int, cost: float, base: float) -> int:

@@ -77,6 +77,12 @@ def add_parser(sub: Any) -> None:
         help="peers run only the first N prompts of each category (default: all)",
     )
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument(
+        "--no-prime",
+        action="store_true",
+        help="do not send each prompt once before measuring (then the mode that meets a prompt "
+        "first pays its prefill and the other finds it cached)",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--launch-timeout", type=float, default=1800.0)
     p.add_argument("--out", type=Path, default=Path("bench-out"))

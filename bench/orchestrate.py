@@ -92,6 +92,10 @@ async def sweep(
             if not args.no_warmup:
                 await runner.warmup(next(iter(prompts.values()))[0])
             measurements = []
+            if not args.no_prime:
+                for category, plist in prompts.items():
+                    bar.set_postfix_str(f"priming the prefix cache: {category}")
+                    await runner.prime(plist)
             for repeat in range(args.repeats):
                 for category, plist in prompts.items():
                     for load in loads:

@@ -3,7 +3,14 @@
 A round is one batch of requests at the load level (c prompts started together for a closed-loop
 concurrency c; the whole prompt set on one seeded Poisson schedule for a request rate). Each round
 runs once per mode, back to back, and the mode that goes first alternates, so drift in machine speed
-and prefix-cache warmth falls on both modes alike.
+falls on both modes alike.
+
+Before a category is measured, each of its prompts is sent once (plain, one output token: `prime`),
+so every measured request of either mode finds its prompt in the target's prefix cache. Without
+that, whichever mode happened to see a prompt first paid its whole prefill (seconds on a CPU) and
+the other got it free, which swamped the comparison with four prompts a cell. The draft model's
+K/V are not primed: a speculative request that wants the draft pays its catch-up, as on a shared
+prefix in service.
 """
 
 from __future__ import annotations
@@ -137,6 +144,14 @@ class Runner:
                     f"bench: {prompt.prompt_id} ({result.mode}) failed: {result.error}"
                 )
         return result
+
+    async def prime(self, prompts: list[Prompt]) -> None:
+        """Put each prompt in the target's prefix cache, so neither mode measures its prefill."""
+        once = RequestSettings(self.settings.model, 1, self.settings.temperature, False, 1800.0)
+        for prompt in {p.prompt_id: p for p in prompts}.values():
+            result = await send_request(self.client, prompt, once, False)
+            if result.error:
+                raise RuntimeError(f"priming {prompt.prompt_id} failed: {result.error}")
 
     async def warmup(self, prompt: Prompt) -> None:
         """One short request per mode, so that the first measured one pays no one-off costs."""

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
@@ -24,8 +23,9 @@ from engine.sampler import logprobs_of
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
-from engine.spec_k import FREE_CATCH_UP, RequestKPolicy
+from engine.spec_k import SpecPlanner
 from engine.spec_policy import SpeculationPolicy
+from engine.step_cost import StepCosts, calibrate, calibration_rows
 
 log = logging.getLogger("specserve.engine")
 
@@ -57,16 +57,19 @@ class LLMEngine:
             if spec.enabled and spec.adaptive
             else None
         )
-        self.request_k = RequestKPolicy(spec.proposers) if spec.enabled and spec.adaptive else None
+        self.costs = StepCosts()
+        self.planner = SpecPlanner(spec.proposers, self.costs) if self.policy is not None else None
         self.proposer: Proposer = ForcedDraftProposer(self._build_proposer())
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
             runner.allocate_kv_cache(num_blocks)
+        if self.planner is not None:
+            self._calibrate(num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            config, self.block_manager, self.max_model_len, self.policy, self.request_k
+            config, self.block_manager, self.max_model_len, self.policy, self.planner
         )
         self.seqs: dict[str, Sequence] = {}
         self.last_stats: StepStats | None = None
@@ -134,15 +137,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         batch = self.scheduler.schedule()
+        if self.planner is not None:
+            self.planner.plan(batch.scheduled, self._ngram_drafts)
         proposals = self.proposer.propose(batch.scheduled)
         drafted = time.perf_counter()
-        caught_up = _draft_catch_up(batch.scheduled, proposals)
         logits = self.target.forward(self._verify_inputs(batch.scheduled, proposals))
         stats = self._accept(batch.scheduled, proposals, logits)
         stats.num_preemptions = batch.num_preempted
         finished = time.perf_counter()
-        timing = StepTiming(drafted - started, finished - drafted, caught_up)
-        self._observe(batch.scheduled, proposals, stats, timing)
+        self._observe(batch.scheduled, proposals, stats, drafted - started, finished - drafted)
         self.last_stats = stats
         return [self._output(item.seq) for item in batch.scheduled if self._has_news(item.seq)]
 
@@ -151,32 +154,40 @@ class LLMEngine:
         batch: list[ScheduledSeq],
         proposals: list[Proposal],
         stats: StepStats,
-        timing: StepTiming,
+        propose_seconds: float,
+        verify_seconds: float,
     ) -> None:
-        """Feed decode-only steps to the speculation policies (prompt chunks, and the draft catching
-        up on a prompt, would swamp them; a catch-up is timed on its own)."""
+        """Feed the step's measured forwards to the cost curves, and decode-only steps to the
+        per-batch-size policy (prompt chunks would swamp its goodput comparison)."""
+        if self.planner is None:
+            return
+        forwards = 0.0
+        for runner, curve in ((self.target, self.costs.target), (self.draft, self.costs.draft)):
+            for rows, seconds in runner.take_timings() if runner is not None else []:
+                curve.observe(rows, seconds)
+                forwards += seconds
+        self.costs.observe_overhead(propose_seconds + verify_seconds - forwards)
         if not batch or any(item.num_new_tokens > 1 for item in batch):
             return
-        if timing.draft_catch_up > FREE_CATCH_UP:
-            if self.request_k is not None:
-                self.request_k.cost.observe_catch_up(timing.draft_catch_up, timing.propose)
-            return
-        propose_seconds, verify_seconds = timing.propose, timing.verify
-        drafted: dict[str, int] = {}
-        for proposal in proposals:
-            if proposal.token_ids:
-                drafted[proposal.source] = drafted.get(proposal.source, 0) + len(proposal.token_ids)
-        speculated = bool(drafted)
+        speculated = any(proposal.token_ids for proposal in proposals)
         seconds = propose_seconds + verify_seconds
         if self.policy is not None:
             self.policy.observe(len(batch), speculated, stats.num_generation_tokens, seconds)
-        if self.request_k is None:
-            return
-        if not speculated:
-            self.request_k.cost.observe_plain(len(batch), seconds)
-        elif len(drafted) == 1:  # a mixed hybrid step cannot tell the two proposers' costs apart
-            per_source = dict.fromkeys(drafted, propose_seconds)
-            self.request_k.cost.observe_speculative(len(batch), drafted, per_source, verify_seconds)
+
+    def _ngram_drafts(self, item: ScheduledSeq) -> int:
+        """How many drafts an n-gram lookup finds for the request now (0 without an n-gram proposer)."""
+        ngram = self._ngram
+        return len(ngram.propose_one(item).token_ids) if ngram is not None else 0
+
+    def _calibrate(self, num_blocks: int) -> None:
+        """Measure each model's step cost against its rows before any request runs."""
+        k = self.config.speculative.num_speculative_tokens
+        max_rows = self.config.max_num_seqs * (k + 1)
+        log.info("measuring step costs (target and draft forwards at 1..%d rows)", max_rows)
+        for runner, curve in ((self.target, self.costs.target), (self.draft, self.costs.draft)):
+            if runner is not None:
+                calibrate(curve, runner, calibration_rows(max_rows), num_blocks)
+                runner.timings = []
 
     def generate(
         self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
@@ -421,8 +432,9 @@ class LLMEngine:
 
     def _build_proposer(self) -> Proposer:
         spec = self.config.speculative
+        self._ngram = NgramProposer(spec) if "ngram" in spec.proposers else None
         if spec.method == "ngram":
-            return NgramProposer(spec)
+            return self._ngram  # type: ignore[return-value]
         if spec.method not in ("draft", "hybrid"):
             return NoProposer()
         assert spec.draft_model is not None
@@ -433,7 +445,7 @@ class LLMEngine:
             loaded, self.config.device, self.config.dtype, self.config.block_size
         )
         draft = DraftModelProposer(self.draft, spec.draft_p_min)
-        return draft if spec.method == "draft" else HybridProposer(NgramProposer(spec), draft)
+        return draft if self._ngram is None else HybridProposer(self._ngram, draft)
 
     def _runners(self) -> list[ModelRunner]:
         return [self.target] if self.draft is None else [self.target, self.draft]
@@ -448,23 +460,6 @@ class LLMEngine:
             free, _ = torch.cuda.mem_get_info()
             budget = free * self.config.gpu_memory_utilization
         return max(1, int(budget // per_block))
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    propose: float  # seconds the proposer took
-    verify: float  # seconds of the target's forward and the verification
-    draft_catch_up: int  # tokens the draft model computed before it could draft
-
-
-def _draft_catch_up(batch: list[ScheduledSeq], proposals: list[Proposal]) -> int:
-    """Tokens the draft model computed this step beyond feeding back its own drafts."""
-    total = 0
-    for item, proposal in zip(batch, proposals, strict=True):
-        if proposal.num_draft_computed is not None:
-            fed = max(0, len(proposal.token_ids) - 1)
-            total += proposal.num_draft_computed - item.seq.num_draft_computed_tokens - fed
-    return total
 
 
 def _num_logits(item: ScheduledSeq, proposal: Proposal) -> int:

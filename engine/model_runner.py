@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,8 @@ class ModelRunner:
             self.weights.weight_bytes / (1 << 30),
         )
         self.kv_caches: list[KVCache] = []
+        # (rows, seconds) of each forward since the engine last took them; None: not timed
+        self.timings: list[tuple[int, float]] | None = None
 
     @property
     def hf_config(self) -> PretrainedConfig:
@@ -110,6 +113,23 @@ class ModelRunner:
         inputs = [i for i in inputs if i.token_ids]
         if not inputs:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        started = time.perf_counter()
+        logits = self._forward(inputs)
+        if self.timings is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.timings.append(
+                (sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
+            )
+        return logits
+
+    def take_timings(self) -> list[tuple[int, float]]:
+        taken = self.timings or []
+        if self.timings is not None:
+            self.timings = []
+        return taken
+
+    def _forward(self, inputs: list[ForwardInput]) -> torch.Tensor:
         input_ids, positions, logit_rows = _flatten(inputs, self.block_size)
         spans = [RequestSpan(i.start_pos, len(i.token_ids), i.block_table) for i in inputs]
         meta = AttentionMetadata.build(spans, self.block_size, self.device)

@@ -16,7 +16,7 @@ from engine import structured
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec_k import RequestKPolicy
+from engine.spec_k import SpecPlanner
 from engine.spec_policy import SpeculationPolicy
 
 
@@ -26,6 +26,7 @@ class ScheduledSeq:
     num_new_tokens: int  # known tokens to compute: seq.token_ids[num_computed : num_computed + n]
     num_spec_tokens: int  # draft slots reserved after them (0 unless the chunk reaches the end)
     spec_k: dict[str, int] = field(default_factory=dict)  # proposer -> drafts it may propose
+    fixed_k: bool = False  # keeps its k whatever the planner would choose (seeded sampling)
 
     def k_for(self, proposer: str) -> int:
         return min(self.spec_k.get(proposer, 0), self.num_spec_tokens)
@@ -54,11 +55,11 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         policy: SpeculationPolicy | None = None,
-        request_k: RequestKPolicy | None = None,
+        planner: SpecPlanner | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
-        self.request_k = request_k
+        self.planner = planner
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -118,8 +119,8 @@ class Scheduler:
         if num_draft_computed is not None:
             seq.num_draft_computed_tokens = num_draft_computed
         seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
-        if self.request_k is not None and item.reaches_end:
-            self.request_k.observe(seq.spec_state, proposer, item.k_for(proposer), num_accepted)
+        if self.planner is not None and item.reaches_end:
+            self.planner.observe(seq.spec_state, proposer, item.k_for(proposer), num_accepted)
         self._cache_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
@@ -165,13 +166,14 @@ class Scheduler:
             self.max_model_len - seq.num_tokens - 1,
             budget - n,
         )
-        item.spec_k = {
-            name: max(0, min(k, room)) for name, k in self._request_k(seq, step_k).items()
-        }
+        names = self.config.speculative.proposers
+        k = self._request_k(seq, step_k)
+        item.spec_k = {name: max(0, min(k, room)) for name in names} if k else {}
+        item.fixed_k = seq.params.seed is not None and not seq.params.greedy
         if item.num_prompt_tokens > 0 and seq.num_tokens - seq.num_draft_computed_tokens > 32:
             # No draft-model forward in the step that finishes a long prompt: the draft would prefill
             # it first and delay the first token. It catches up in the next step instead.
-            item.spec_k["draft"] = 0
+            item.spec_k.pop("draft", None)
         # Tokens the grammar forces are free, always-right drafts: room for them whatever k says.
         forced = structured.forced_tokens(seq, min(seq.num_speculative_tokens, room))
         if forced:
@@ -179,25 +181,14 @@ class Scheduler:
         item.num_spec_tokens = max(item.spec_k.values(), default=0)
         return item
 
-    def _request_k(self, seq: Sequence, step_k: int) -> dict[str, int]:
-        """proposer -> this request's k. A seeded sampled request keeps its own k: its random draws
-        depend on k, and its seed must reproduce whatever else is in the batch (greedy output does
-        not depend on k at all)."""
-        names = self.config.speculative.proposers
-        if seq.num_speculative_tokens == 0 or not names:
-            return {}
+    def _request_k(self, seq: Sequence, step_k: int) -> int:
+        """The most drafts this request may get this step, from any proposer (the planner picks
+        how many it does get). A seeded sampled request keeps its own k: its random draws depend
+        on k, and its seed must reproduce whatever else is in the batch (greedy output does not
+        depend on k at all)."""
         if seq.params.seed is not None and not seq.params.greedy:
-            return dict.fromkeys(names, seq.num_speculative_tokens)
-        k_max = min(seq.num_speculative_tokens, step_k)
-        if self.request_k is None or k_max == 0:
-            return dict.fromkeys(names, k_max)
-        return self.request_k.choose(
-            seq.spec_state,
-            k_max,
-            len(self.running),
-            draft_lag=seq.num_tokens - seq.num_draft_computed_tokens,
-            remaining=seq.params.max_tokens - seq.num_output_tokens,
-        )
+            return seq.num_speculative_tokens
+        return min(seq.num_speculative_tokens, step_k)
 
     def _positions(self, item: ScheduledSeq) -> int:
         return item.seq.num_computed_tokens + item.num_new_tokens + item.num_spec_tokens

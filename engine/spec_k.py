@@ -1,24 +1,34 @@
-"""Per-request k: each request drafts as many tokens as pay for themselves, and no more.
+"""How many tokens each request drafts this step, and from which proposer: the plan that pays best.
 
 Each request keeps a decayed estimate of its own acceptance per draft position and per proposer
-(`AcceptanceEstimate`): c_j = P(draft j accepted | drafts 1..j-1 accepted). Drafting k tokens yields
-E(k) = 1 + sum_{j<=k} prod_{l<=j} c_l tokens per step; each draft position costs `cost` of a plain
-step (`DraftCost`: the proposer's time per drafted token plus the target's extra verify time per
-draft token, both measured, relative to a plain step's share per request). The request takes the k
-that maximizes E(k) / (1 + k * cost): 0 where its drafts do not pay. A request at k = 0 is re-probed
-with a couple of drafts now and then (ever less often while it keeps losing), so a request whose
-text turns repetitive starts drafting again.
+(`AcceptanceEstimate`): c_j = P(draft j accepted | drafts 1..j-1 accepted), so draft j is worth
+g_j = c_1 * ... * c_j expected tokens. What a draft costs is not a constant: it is the draft
+model's forwards (none for an n-gram lookup or grammar-forced tokens) plus what one more row adds
+to the target's forward, and that depends on the rows already in the step (`engine/step_cost.py`
+measures both curves: on a tiled CPU kernel the rows that fill a tile are free, the next one costs
+a tile). So the choice is made for the whole step at once (`plan_step`): among the allocations
+that take each request's best positions first, the one with the most expected tokens per second
+of step time, where plain decoding (no drafts) is one of the candidates. A request that was not
+given drafts for a while is re-probed at the acceptance over all requests (the prior), ever less
+often while its probes keep failing, so a request whose text turns repetitive drafts again.
 
-A new request starts from the proposer's acceptance over all requests (the prior), so the first
-steps of a request are not spent learning what the last hundred requests already showed; its own
-record outweighs the prior within a few steps.
+A draft model that has not seen a request's text (its prompt, or what it missed while the request
+took n-gram drafts or no drafts) must compute it first. Up to FREE_CATCH_UP tokens ride along in
+its first draft forward; beyond that the draft model runs for the request only where the steps its
+drafts are expected to save over the rest of the request outweigh the catch-up.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.spec_policy import bucket_of
+from engine.step_cost import StepCosts
+from engine.structured import FORCED_SOURCE
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledSeq
 
 DECAY = 0.8  # per observation: a request's text changes character within tens of tokens
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the global acceptance behind a fresh estimate
@@ -29,18 +39,16 @@ GLOBAL_PRIOR_WEIGHT = 4.0
 # Until the draft model has been verified this often over all requests, its catch-up is not priced:
 # the engine must see the draft work on this traffic before it can judge whether it pays.
 EXPLORE_DRAFTS = 20.0
-PROBE_K = 2  # drafts given to a request at k = 0 when it is re-probed
-PROBE_EVERY = 8  # steps at k = 0 before the first re-probe; doubles while probes keep losing
+PROBE_K = 2  # drafts a request may get when it is re-probed
+PROBE_EVERY = 8  # steps without drafts before the first re-probe; doubles while probes keep losing
 MAX_PROBE_EVERY = 64
-# Relative cost of one draft position before anything was measured (a plain step = 1): the draft
-# model at about a third of the target, an n-gram lookup nearly free.
-PRIOR_COST = {"draft": 0.35, "ngram": 0.05}
-# A draft model that has not seen a request's text must first compute it (its prompt, or what it
-# missed while the request took n-gram drafts or sat at k = 0). Below this many tokens the catch-up
-# rides along in a draft step; above it the draft runs only if the drafts it is expected to win over
-# the rest of the request pay for it. Relative cost of one catch-up token before it is measured:
-PRIOR_CATCH_UP_COST = 0.15
-FREE_CATCH_UP = 8
+FREE_CATCH_UP = 8  # tokens the draft model computes in its first forward without asking
+FED_BACK = (
+    2  # rows a drafting request usually adds to the draft's first forward (last draft + bonus)
+)
+# An n-gram match (free) is taken over the draft model (paid) unless this request's record says
+# the draft is this many times likelier to be right at the first position.
+DRAFT_OVER_MATCH = 2.0
 
 
 @dataclass
@@ -83,11 +91,23 @@ class AcceptanceEstimate:
 
 @dataclass
 class ProposerTrack:
-    """One request's record with one proposer: its acceptance, and when to re-probe it at k = 0."""
+    """One request's record with one proposer: its acceptance, and when to re-probe it."""
 
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     probe_every: int = PROBE_EVERY
-    steps_at_zero: int = 0
+    steps_without: int = 0  # steps since this proposer last drafted for the request
+
+    @property
+    def probe_due(self) -> bool:
+        return self.steps_without >= self.probe_every
+
+    def planned(self, drafts: int, probe: bool) -> None:
+        """The plan gave the request this many drafts from this proposer."""
+        if drafts == 0:
+            self.steps_without += 1
+            return
+        self.steps_without = 0
+        self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY) if probe else PROBE_EVERY
 
 
 @dataclass
@@ -96,144 +116,170 @@ class RequestSpecState:
 
     tracks: dict[str, ProposerTrack] = field(default_factory=dict)
 
-    def track(
-        self, proposer: str, prior: AcceptanceEstimate | None = None, k: int = 0
-    ) -> ProposerTrack:
-        if proposer not in self.tracks:
-            seed = AcceptanceEstimate() if prior is None else AcceptanceEstimate.seeded(prior, k)
-            self.tracks[proposer] = ProposerTrack(seed)
-        return self.tracks[proposer]
+    def track(self, proposer: str) -> ProposerTrack:
+        return self.tracks.setdefault(proposer, ProposerTrack())
 
 
-def expected_tokens(rates: list[float]) -> list[float]:
-    """E(k) for k = 0..len(rates): 1 + sum over j <= k of prod over l <= j of c_l."""
-    out, reach = [1.0], 1.0
+def reach(rates: list[float]) -> list[float]:
+    """g_j = c_1 * ... * c_j: the expected tokens draft j adds (it counts only if all before it do)."""
+    out, p = [], 1.0
     for c in rates:
-        reach *= c
-        out.append(out[-1] + reach)
+        p *= c
+        out.append(p)
     return out
 
 
-def best_k(rates: list[float], cost: float) -> int:
-    """argmax_k E(k) / (1 + k * cost); ties go to the smaller k."""
-    gains = expected_tokens(rates)
-    scores = [e / (1.0 + k * cost) for k, e in enumerate(gains)]
-    return max(range(len(scores)), key=lambda k: (scores[k], -k))
+@dataclass(frozen=True)
+class DraftOption:
+    """One request's way to draft this step."""
+
+    index: int  # the request's place in the step's batch
+    proposer: str
+    gains: list[float]  # gains[j]: expected tokens added by draft j + 1
+    draft_rows: int = 0  # draft model: rows of its first forward for this request; 0 = no forward
+    probe: bool = False  # gains are the prior's: the request is being re-probed
 
 
-class DraftCost:
-    """Measured cost of one draft position relative to one request's share of a plain step."""
+def plan_step(
+    options: list[DraftOption], base_rows: int, base_tokens: float, costs: StepCosts
+) -> dict[int, int]:
+    """request index -> drafts, maximizing expected tokens per second of this step.
 
-    def __init__(self) -> None:
-        self.plain_step: dict[
-            int, float
-        ] = {}  # batch-size bucket -> decayed seconds of a plain step
-        self.per_token: dict[str, float] = {}  # proposer -> decayed seconds per drafted token
-        self.verify_per_token: float | None = None  # extra target seconds per draft token
-        self.catch_up_per_token: float | None = None  # draft seconds per token it catches up on
-
-    def relative(self, proposer: str, batch_size: int) -> float:
-        plain = self.plain_step.get(bucket_of(batch_size))
-        draft = self.per_token.get(proposer)
-        if plain is None or draft is None or self.verify_per_token is None:
-            return PRIOR_COST.get(proposer, 0.35)
-        return batch_size * (draft + self.verify_per_token) / plain
-
-    def catch_up(self, batch_size: int) -> float:
-        """Seconds to catch the draft up on one token, relative to a plain step."""
-        plain = self.plain_step.get(bucket_of(batch_size))
-        if plain is None or self.catch_up_per_token is None:
-            return PRIOR_CATCH_UP_COST
-        return self.catch_up_per_token / plain
-
-    def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
-        per_token = seconds / max(1, num_tokens)
-        self.catch_up_per_token = _ewma(self.catch_up_per_token, per_token, 0.3)
-
-    def observe_plain(self, batch_size: int, seconds: float) -> None:
-        bucket = bucket_of(batch_size)
-        self.plain_step[bucket] = _ewma(self.plain_step.get(bucket), seconds)
-
-    def observe_speculative(
-        self,
-        batch_size: int,
-        drafted: dict[str, int],  # proposer -> draft tokens it proposed this step
-        propose_seconds: dict[str, float],  # proposer -> seconds it took
-        verify_seconds: float,  # the target's forward (and verification) this step
-    ) -> None:
-        for name, n in drafted.items():
-            if n > 0:
-                per_token = propose_seconds.get(name, 0.0) / n
-                self.per_token[name] = _ewma(self.per_token.get(name), per_token)
-        total = sum(drafted.values())
-        plain = self.plain_step.get(bucket_of(batch_size))
-        if total > 0 and plain is not None:
-            extra = max(0.0, verify_seconds - plain) / total
-            self.verify_per_token = _ewma(self.verify_per_token, extra)
+    base_rows / base_tokens: the target rows and emitted tokens the step has without any option
+    (prompt chunks, one row per decoding request, grammar-forced drafts). Candidate plans take
+    draft positions in order of gain (a request's positions in order, since gains only fall), with
+    the draft model's depth capped at each possible value so cheap n-gram positions are weighed
+    without the draft's forwards; every prefix is scored with the measured cost curves."""
+    best: dict[int, int] = {}
+    best_score = base_tokens / _seconds(costs, base_rows, 0, [])
+    max_depth = max((len(o.gains) for o in options if o.draft_rows), default=0)
+    for cap in range(max_depth + 1):
+        positions = sorted(
+            (
+                (g, j, o)
+                for o in options
+                for j, g in enumerate(o.gains if not o.draft_rows else o.gains[:cap])
+            ),
+            key=lambda p: (-p[0], p[1]),
+        )
+        depths: dict[int, int] = {}
+        first_rows, deeper = (
+            0,
+            [0] * max_depth,
+        )  # draft forwards: rows of the first, then each later
+        tokens, rows = base_tokens, base_rows
+        for gain, j, option in positions:
+            depths[option.index] = j + 1
+            tokens, rows = tokens + gain, rows + 1
+            if option.draft_rows:
+                if j == 0:
+                    first_rows += option.draft_rows
+                else:
+                    deeper[j] += 1
+            score = tokens / _seconds(costs, rows, first_rows, deeper)
+            if score > best_score:
+                best_score, best = score, dict(depths)
+    return best
 
 
-def _ewma(prev: float | None, value: float, weight: float = 0.1) -> float:
-    """Exponentially weighted mean: the first value as is, then `weight` for each new one."""
-    return value if prev is None else (1.0 - weight) * prev + weight * value
+def _seconds(
+    costs: StepCosts, target_rows: int, draft_first: int, draft_deeper: list[int]
+) -> float:
+    draft = costs.draft.seconds(draft_first) + sum(costs.draft.seconds(m) for m in draft_deeper)
+    return costs.target.seconds(target_rows) + draft + costs.overhead
 
 
-def choose_request_k(track: ProposerTrack, k_max: int, cost: float, base: float) -> int:
-    """This request's k with one proposer for this step, re-probing now and then while at 0."""
-    if k_max <= 0:
-        return 0
-    k = best_k(track.acceptance.rates(k_max, base), cost)
-    if k > 0:
-        track.steps_at_zero, track.probe_every = 0, PROBE_EVERY
-        return k
-    track.steps_at_zero += 1
-    if track.steps_at_zero >= track.probe_every:
-        track.steps_at_zero = 0
-        track.probe_every = min(2 * track.probe_every, MAX_PROBE_EVERY)
-        return min(PROBE_K, k_max)
-    return 0
+class SpecPlanner:
+    """Turns each scheduled request's draft ceilings into this step's drafts (`plan`), and keeps the
+    acceptance records the plans are made from (`observe`)."""
 
-
-class RequestKPolicy:
-    """Per-request k for every proposer, from the request's own acceptance and the measured cost."""
-
-    def __init__(self, proposers: tuple[str, ...]) -> None:
+    def __init__(self, proposers: tuple[str, ...], costs: StepCosts) -> None:
         self.proposers = proposers
-        self.cost = DraftCost()
+        self.costs = costs
         self.priors = {name: AcceptanceEstimate() for name in proposers}
 
-    def choose(
-        self,
-        state: RequestSpecState,
-        k_max: int,
-        batch_size: int,
-        draft_lag: int = 0,  # tokens the draft model has not computed yet
-        remaining: int = 1 << 30,  # output tokens the request may still produce
-    ) -> dict[str, int]:
-        """proposer -> k for this request this step."""
-        ks = {}
-        for name in self.proposers:
-            cost = self.cost.relative(name, batch_size)
-            track = state.track(name)
-            prior = self.priors[name]
-            k = choose_request_k(track, k_max, cost, prior.pooled_rate())
-            explored = prior.evidence >= EXPLORE_DRAFTS
-            if name == "draft" and k > 0 and draft_lag > FREE_CATCH_UP and explored:
-                rates = track.acceptance.rates(k, prior.pooled_rate())
-                k = k if self._catch_up_pays(rates, cost, draft_lag, remaining, batch_size) else 0
-            ks[name] = k
-        return ks
-
-    def _catch_up_pays(
-        self, rates: list[float], cost: float, lag: int, remaining: int, batch_size: int
-    ) -> bool:
-        """Do the plain steps the drafts save over the rest of the request outweigh catching up?"""
-        k = len(rates)
-        steps_per_token = (1.0 + k * cost) / expected_tokens(rates)[-1]  # < 1 where drafts pay
-        saved = remaining * (1.0 - steps_per_token)
-        return saved > lag * self.cost.catch_up(batch_size)
+    def plan(self, batch: list[ScheduledSeq], ngram_drafts: Callable[[ScheduledSeq], int]) -> None:
+        """Cut each adaptive request's spec_k ceilings down to the step's best plan.
+        ngram_drafts(item): how many drafts an n-gram lookup finds for it now."""
+        base_rows = sum(item.num_new_tokens for item in batch)
+        base_tokens = 0.0
+        planned: list[ScheduledSeq] = []
+        for item in batch:
+            if not item.reaches_end:
+                continue
+            base_tokens += 1
+            forced = item.k_for(FORCED_SOURCE)
+            if forced or item.fixed_k or not item.num_spec_tokens:
+                base_rows += item.num_spec_tokens
+                base_tokens += forced
+            else:
+                planned.append(item)
+        options = [
+            option
+            for i, item in enumerate(batch)
+            if item in planned and (option := self._option(i, item, ngram_drafts, base_rows))
+        ]
+        depths = plan_step(options, base_rows, base_tokens, self.costs)
+        chosen = {o.index: o for o in options}
+        for i, item in enumerate(batch):
+            if item not in planned:
+                continue
+            option = chosen.get(i)
+            drafts = depths.get(i, 0)
+            for name in item.spec_k:
+                picked = option is not None and name == option.proposer
+                item.spec_k[name] = drafts if picked else 0
+                item.seq.spec_state.track(name).planned(
+                    item.spec_k[name],
+                    picked and option.probe,  # type: ignore[union-attr]
+                )
+            item.num_spec_tokens = drafts
 
     def observe(self, state: RequestSpecState, proposer: str, drafted: int, accepted: int) -> None:
         if drafted <= 0 or proposer not in self.priors:
             return
         state.track(proposer).acceptance.observe(drafted, accepted)
         self.priors[proposer].observe(drafted, accepted, decay=0.99)
+
+    def _option(
+        self,
+        index: int,
+        item: ScheduledSeq,
+        ngram_drafts: Callable[[ScheduledSeq], int],
+        base_rows: int,
+    ) -> DraftOption | None:
+        """The request's n-gram match if it has one, else the draft model if it may run."""
+        state, seq = item.seq.spec_state, item.seq
+        matched = ngram_drafts(item) if item.k_for("ngram") else 0
+        ngram = self._gains(state, "ngram", matched) if matched else None
+        draft = self._gains(state, "draft", item.k_for("draft")) if item.k_for("draft") else None
+        if ngram and (draft is None or DRAFT_OVER_MATCH * ngram[0][0] >= draft[0][0]):
+            return DraftOption(index, "ngram", *ngram)
+        if draft is None:
+            return None
+        lag = seq.num_tokens - seq.num_draft_computed_tokens
+        remaining = seq.params.max_tokens - seq.num_output_tokens
+        if not self._catch_up_pays(draft[0], lag, remaining, base_rows):
+            return None
+        gains, probe = draft
+        return DraftOption(index, "draft", gains, max(1, min(lag, FED_BACK)), probe)
+
+    def _gains(self, state: RequestSpecState, name: str, k: int) -> tuple[list[float], bool]:
+        """This request's gains for k drafts from one proposer, or the prior's when a probe is due."""
+        track = state.track(name)
+        pooled = self.priors[name].pooled_rate()
+        if track.probe_due:
+            return reach(AcceptanceEstimate().rates(min(k, PROBE_K), pooled)), True
+        return reach(track.acceptance.rates(k, pooled)), False
+
+    def _catch_up_pays(self, gains: list[float], lag: int, remaining: int, batch_rows: int) -> bool:
+        """Do the seconds the drafts should save over the rest of the request outweigh the draft
+        model computing `lag` tokens first? (Always yes while the draft's acceptance is unknown.)"""
+        if lag <= FREE_CATCH_UP or self.priors["draft"].evidence < EXPLORE_DRAFTS:
+            return True
+        target, draft, k = self.costs.target, self.costs.draft, len(gains)
+        plain_step = target.seconds(batch_rows)
+        draft_step = target.seconds(batch_rows + k) + draft.seconds(FED_BACK)
+        draft_step += (k - 1) * draft.seconds(1)
+        saved_per_token = plain_step - draft_step / (1.0 + sum(gains))
+        return remaining * saved_per_token > draft.seconds(lag)

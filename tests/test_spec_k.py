@@ -1,40 +1,79 @@
-"""Per-request k: expected tokens per unit of step cost, decayed acceptance, re-probes, cost."""
+"""The step planner: expected tokens per second of step time, from measured cost curves and each
+request's decayed acceptance; probes, the draft's catch-up, and the cost curves themselves."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.spec_k import (
+    EXPLORE_DRAFTS,
     MAX_PROBE_EVERY,
     PROBE_EVERY,
-    PROBE_K,
     AcceptanceEstimate,
-    DraftCost,
+    DraftOption,
     ProposerTrack,
-    RequestKPolicy,
     RequestSpecState,
-    best_k,
-    choose_request_k,
-    expected_tokens,
+    SpecPlanner,
+    plan_step,
+    reach,
 )
+from engine.step_cost import CostCurve, StepCosts, calibration_rows
 
 
-def test_expected_tokens_is_one_plus_reach_sums() -> None:
-    assert expected_tokens([0.5, 0.5]) == pytest.approx([1.0, 1.5, 1.75])
+def tiled(tile: int = 4, per_tile: float = 1.0, max_rows: int = 64) -> CostCurve:
+    """A kernel that computes rows in tiles: 1..4 rows cost one tile, 5..8 two, ..."""
+    curve = CostCurve()
+    for m in range(1, max_rows + 1):
+        curve.observe(m, per_tile * -(-m // tile))
+    return curve
 
 
-@pytest.mark.parametrize(
-    ("rates", "cost", "k"),
-    [
-        ([1.0] * 6, 0.3, 6),  # everything accepted: as many as allowed
-        ([0.1] * 6, 0.3, 0),  # drafts that fail: none
-        ([0.9, 0.9, 0.2, 0.2], 0.1, 2),  # stop where the chain breaks
-        ([0.7] * 6, 0.0, 6),  # free drafts (n-gram) always pay while anything is accepted
-        ([0.7] * 6, 0.35, 2),
-    ],
-)
-def test_best_k(rates: list[float], cost: float, k: int) -> None:
-    assert best_k(rates, cost) == k
+def costs(draft_per_row: float = 0.0) -> StepCosts:
+    c = StepCosts()
+    c.target = tiled()
+    if draft_per_row:
+        for m in range(1, 65):
+            c.draft.observe(m, draft_per_row * m)
+    return c
+
+
+def ngram(index: int, *gains: float) -> DraftOption:
+    return DraftOption(index, "ngram", list(gains))
+
+
+def test_reach_is_the_product_of_the_rates_so_far() -> None:
+    assert reach([0.5, 0.5, 1.0]) == pytest.approx([0.5, 0.25, 0.25])
+
+
+def test_free_drafts_fill_the_tile_of_a_single_request() -> None:
+    assert plan_step([ngram(0, 0.9, 0.8, 0.7, 0.6)], 1, 1, costs()) == {0: 3}  # 4 rows, one tile
+
+
+def test_no_drafts_when_the_batch_fills_the_tile_and_drafts_would_start_another() -> None:
+    options = [ngram(i, 0.9, 0.8, 0.7) for i in range(4)]
+    assert plan_step(options, 4, 4, costs()) == {}
+
+
+def test_free_rows_of_a_partly_filled_tile_go_to_the_best_drafts() -> None:
+    options = [ngram(0, 0.2), ngram(1, 0.9, 0.8), ngram(2, 0.5), ngram(3, 0.1), ngram(4, 0.3)]
+    assert plan_step(options, 5, 5, costs()) == {1: 2, 2: 1}  # rows 6, 7, 8: the three best
+
+
+def test_a_draft_model_drafts_only_where_its_forwards_pay() -> None:
+    paid = DraftOption(0, "draft", [0.9, 0.8, 0.7], draft_rows=2)
+    assert plan_step([paid], 1, 1, costs(draft_per_row=0.1)) == {0: 3}
+    assert plan_step([paid], 1, 1, costs(draft_per_row=1.0)) == {}  # a draft as dear as the target
+    poor = DraftOption(0, "draft", [0.2, 0.04], draft_rows=2)
+    assert plan_step([poor], 1, 1, costs(draft_per_row=0.1)) == {}
+
+
+def test_cheap_matches_are_weighed_without_the_draft_models_forwards() -> None:
+    options = [ngram(0, 0.6, 0.4), DraftOption(1, "draft", [0.7], draft_rows=2)]
+    assert plan_step(options, 2, 2, costs(draft_per_row=1.0)) == {0: 2}
+
+
+def test_a_step_with_a_long_prompt_chunk_takes_drafts_almost_for_free() -> None:
+    assert plan_step([ngram(0, 0.5, 0.25)], 500, 1, costs()) == {0: 2}
 
 
 def test_estimate_follows_recent_behaviour() -> None:
@@ -56,67 +95,69 @@ def test_unreached_positions_borrow_from_the_one_before() -> None:
     assert rates[0] > 0.8 and rates[3] > 0.8  # never drafted there, but its neighbour accepts
 
 
-def test_probes_back_off_while_drafts_keep_losing() -> None:
+def test_probes_back_off_while_they_keep_failing() -> None:
     track = ProposerTrack()
-    for _ in range(30):
-        track.acceptance.observe(2, 0)
-    ks = [choose_request_k(track, 6, cost=0.35, base=0.1) for _ in range(300)]
-    probes = [i for i, k in enumerate(ks) if k]
-    assert all(ks[i] == PROBE_K for i in probes)
-    assert probes[0] == PROBE_EVERY - 1
+    probes = []
+    for step in range(300):
+        due = track.probe_due
+        track.planned(2 if due else 0, probe=due)
+        if due:
+            probes.append(step)
+    assert probes[0] == PROBE_EVERY
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
-    assert gaps[0] == 2 * PROBE_EVERY and gaps[-1] == MAX_PROBE_EVERY
+    assert gaps[0] == 2 * PROBE_EVERY + 1 and gaps[-1] == MAX_PROBE_EVERY + 1
+    track.planned(3, probe=False)  # its own record pays again: probes start over
+    assert track.probe_every == PROBE_EVERY
 
 
-def test_cost_is_measured_relative_to_a_plain_step() -> None:
-    cost = DraftCost()
-    assert cost.relative("draft", 1) == pytest.approx(0.35)  # the prior before any measurement
-    for _ in range(5):
-        cost.observe_plain(1, 0.100)
-        cost.observe_speculative(1, {"draft": 4}, {"draft": 0.120}, verify_seconds=0.120)
-    # 30 ms of drafting per token and 5 ms of extra verify per token, against a 100 ms step
-    assert cost.relative("draft", 1) == pytest.approx(0.35, rel=0.05)
-    for _ in range(40):
-        cost.observe_speculative(1, {"draft": 4}, {"draft": 0.040}, verify_seconds=0.120)
-    assert cost.relative("draft", 1) == pytest.approx(0.15, rel=0.1)
+def test_cost_curve_interpolates_and_extends() -> None:
+    curve = CostCurve()
+    assert curve.seconds(3) == 3.0 and not curve.known  # unmeasured: every row a full unit
+    curve.observe(1, 0.1)
+    curve.observe(5, 0.3)
+    assert curve.seconds(3) == pytest.approx(0.2)
+    assert curve.seconds(10) == pytest.approx(0.6)  # past the last point: proportional
+    curve.observe(5, 0.8)
+    assert curve.seconds(5) == pytest.approx(0.3 + 0.2 * 0.5)  # a running mean
+    assert calibration_rows(20)[:16] == list(range(1, 17)) and calibration_rows(20)[-1] == 16
 
 
-def test_policy_keeps_separate_records_per_proposer() -> None:
-    policy = RequestKPolicy(("ngram", "draft"))
-    state = RequestSpecState()
-    for _ in range(15):
-        policy.observe(state, "ngram", 4, 4)
-        policy.observe(state, "draft", 4, 0)
-    policy.cost.relative = lambda proposer, batch_size: 0.3  # type: ignore[method-assign]
-    ks = policy.choose(state, 6, batch_size=1)
-    assert ks["ngram"] == 6 and ks["draft"] == 0
+def _planner() -> SpecPlanner:
+    planner = SpecPlanner(("ngram", "draft"), costs(draft_per_row=0.1))
+    return planner
 
 
 def test_draft_catches_up_only_where_the_rest_of_the_request_pays_for_it() -> None:
-    policy = RequestKPolicy(("draft",))
-    state = RequestSpecState()
-    policy.cost.relative = lambda proposer, batch_size: 0.3  # type: ignore[method-assign]
-    policy.cost.catch_up = lambda batch_size: 0.15  # type: ignore[method-assign]
+    planner = _planner()
+    gains = [0.9, 0.8, 0.7]
     # Before the draft was seen at work on this traffic, it explores: catch-up is not priced yet.
-    assert policy.choose(RequestSpecState(), 3, 1, draft_lag=300, remaining=64)["draft"] > 0
-    for _ in range(30):
-        policy.observe(state, "draft", 3, 2)
-    # 300 prompt tokens to catch up on: 45 plain steps' worth of draft time
-    assert policy.choose(state, 3, 1, draft_lag=300, remaining=64)["draft"] == 0
-    assert policy.choose(state, 3, 1, draft_lag=300, remaining=1000)["draft"] > 0
-    assert policy.choose(state, 3, 1, draft_lag=2, remaining=4)["draft"] > 0  # rides along
+    assert planner._catch_up_pays(gains, lag=300, remaining=64, batch_rows=1)
+    state = RequestSpecState()
+    for _ in range(int(EXPLORE_DRAFTS) + 10):
+        planner.observe(state, "draft", 3, 3)
+    # A step saves (1 - 1.6 / 3.4) of a 1 s step per token; catching up on 300 tokens costs 30 s.
+    assert not planner._catch_up_pays(gains, lag=300, remaining=40, batch_rows=1)
+    assert planner._catch_up_pays(gains, lag=300, remaining=100, batch_rows=1)
+    assert planner._catch_up_pays(gains, lag=2, remaining=4, batch_rows=1)  # rides along
 
 
-def test_catch_up_cost_is_measured() -> None:
-    cost = DraftCost()
-    cost.observe_plain(1, 0.2)
-    cost.observe_catch_up(100, 3.0)  # 30 ms a token against a 200 ms step
-    assert cost.catch_up(1) == pytest.approx(0.15)
+def test_planner_keeps_separate_records_per_proposer() -> None:
+    planner = _planner()
+    state = RequestSpecState()
+    for _ in range(15):
+        planner.observe(state, "ngram", 3, 3)
+        planner.observe(state, "draft", 3, 0)
+    assert state.track("ngram").acceptance.rates(1, 0.5)[0] > 0.8
+    assert state.track("draft").acceptance.rates(1, 0.5)[0] < 0.2
 
 
 def test_a_few_early_failures_do_not_talk_everyone_out_of_drafting() -> None:
-    policy = RequestKPolicy(("ngram",))
-    policy.cost.relative = lambda proposer, batch_size: 0.05  # type: ignore[method-assign]
-    first = RequestSpecState()
-    policy.observe(first, "ngram", 2, 0)
-    assert policy.choose(RequestSpecState(), 3, 1)["ngram"] > 0  # a new request still drafts
+    planner = _planner()
+    planner.observe(RequestSpecState(), "ngram", 2, 0)
+    gains, probe = planner._gains(RequestSpecState(), "ngram", 3)
+    assert not probe and plan_step([DraftOption(0, "ngram", gains)], 1, 1, planner.costs) == {0: 3}
+
+
+def test_pooled_rate_starts_from_the_prior() -> None:
+    est = AcceptanceEstimate()
+    assert 0.5 < est.pooled_rate() < 0.7

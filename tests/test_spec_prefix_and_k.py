@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from engine.llm_engine import LLMEngine
 from engine.proposers import Proposal
 from engine.scheduler import ScheduledSeq
 from engine.spec_k import PROBE_K
+from engine.step_cost import CostCurve
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,18 @@ def test_plain_request_does_not_run_the_draft(tiny_model_dir: Path, vocab: int) 
     assert seq.num_draft_computed_tokens == 0 and seq.spec.num_draft_tokens == 0
 
 
+class _Fixed(CostCurve):
+    def __init__(self, seconds: Callable[[int], float]) -> None:
+        super().__init__()
+        self._of = seconds
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+    def seconds(self, rows: int) -> float:
+        return self._of(rows) if rows > 0 else 0.0
+
+
 class _ScriptedProposer:
     """Proposes the right continuation for 'good' requests and wrong tokens for 'bad' ones."""
 
@@ -110,8 +124,12 @@ def test_request_k_drops_to_zero_for_failing_drafts_only(tiny_model_dir: Path, v
     )
     engine = make_engine(tiny_model_dir, speculative=spec)
     engine.scheduler.policy = engine.policy = None  # test the per-request choice on its own
-    assert engine.request_k is not None
-    engine.request_k.cost.relative = lambda proposer, batch_size: 0.3  # type: ignore[method-assign]
+    assert engine.planner is not None
+    # Every verify row costs 0.3 of a one-row step and a draft forward a tenth of one, held fixed
+    # against this host's timings (on a tiled kernel spare rows would be free, and even drafts
+    # that rarely match would be worth their row).
+    engine.costs.target = _Fixed(lambda m: 1 + 0.3 * (m - 1))
+    engine.costs.draft = _Fixed(lambda m: 0.1 + 0.01 * m)
     prompts = random_prompts(2, (8, 12), vocab, seed=19)
     reference = outputs(make_engine(tiny_model_dir), prompts, greedy(80))
     proposer = _ScriptedProposer({"good": reference[0], "bad": reference[1]}, vocab)

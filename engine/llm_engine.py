@@ -24,8 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 from engine.spec_k import SpecPlanner
-from engine.spec_policy import SpeculationPolicy
-from engine.step_cost import StepCosts, calibrate, calibration_rows
+from engine.step_cost import CostCurve, StepCosts, calibrate, calibration_rows
 
 log = logging.getLogger("specserve.engine")
 
@@ -52,13 +51,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.target.eos_token_ids)
         self.draft: ModelRunner | None = None
         spec = config.speculative
-        self.policy = (
-            SpeculationPolicy(spec.num_speculative_tokens)
-            if spec.enabled and spec.adaptive
-            else None
-        )
         self.costs = StepCosts()
-        self.planner = SpecPlanner(spec.proposers, self.costs) if self.policy is not None else None
+        self.planner = (
+            SpecPlanner(spec.proposers, self.costs) if spec.enabled and spec.adaptive else None
+        )
         self.proposer: Proposer = ForcedDraftProposer(self._build_proposer())
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
@@ -68,9 +64,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            config, self.block_manager, self.max_model_len, self.policy, self.planner
-        )
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.planner)
         self.seqs: dict[str, Sequence] = {}
         self.last_stats: StepStats | None = None
         log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
@@ -139,40 +133,31 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if self.planner is not None:
             self.planner.plan(batch.scheduled, self._ngram_drafts)
+        planned = time.perf_counter()
         proposals = self.proposer.propose(batch.scheduled)
         drafted = time.perf_counter()
         logits = self.target.forward(self._verify_inputs(batch.scheduled, proposals))
         stats = self._accept(batch.scheduled, proposals, logits)
         stats.num_preemptions = batch.num_preempted
-        finished = time.perf_counter()
-        self._observe(batch.scheduled, proposals, stats, drafted - started, finished - drafted)
+        self._observe(time.perf_counter() - started, drafted - planned)
         self.last_stats = stats
         return [self._output(item.seq) for item in batch.scheduled if self._has_news(item.seq)]
 
-    def _observe(
-        self,
-        batch: list[ScheduledSeq],
-        proposals: list[Proposal],
-        stats: StepStats,
-        propose_seconds: float,
-        verify_seconds: float,
-    ) -> None:
-        """Feed the step's measured forwards to the cost curves, and decode-only steps to the
-        per-batch-size policy (prompt chunks would swamp its goodput comparison)."""
+    def _observe(self, step_seconds: float, propose_seconds: float) -> None:
+        """Feed the step's measured forwards to the cost curves."""
         if self.planner is None:
             return
-        forwards = 0.0
-        for runner, curve in ((self.target, self.costs.target), (self.draft, self.costs.draft)):
-            for rows, seconds in runner.take_timings() if runner is not None else []:
-                curve.observe(rows, seconds)
-                forwards += seconds
-        self.costs.observe_overhead(propose_seconds + verify_seconds - forwards)
-        if not batch or any(item.num_new_tokens > 1 for item in batch):
-            return
-        speculated = any(proposal.token_ids for proposal in proposals)
-        seconds = propose_seconds + verify_seconds
-        if self.policy is not None:
-            self.policy.observe(len(batch), speculated, stats.num_generation_tokens, seconds)
+        target = self._timed(self.target, self.costs.target)
+        drafts = self._timed(self.draft, self.costs.draft)
+        self.costs.observe_step(step_seconds, sum(target), drafts, propose_seconds)
+
+    @staticmethod
+    def _timed(runner: ModelRunner | None, curve: CostCurve) -> list[float]:
+        """The runner's forwards this step, fed to its cost curve: seconds of each."""
+        times = runner.take_timings() if runner is not None else []
+        for rows, seconds in times:
+            curve.observe(rows, seconds)
+        return [seconds for _, seconds in times]
 
     def _ngram_drafts(self, item: ScheduledSeq) -> int:
         """How many drafts an n-gram lookup finds for the request now (0 without an n-gram proposer)."""

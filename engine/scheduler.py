@@ -17,7 +17,6 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_k import SpecPlanner
-from engine.spec_policy import SpeculationPolicy
 
 
 @dataclass
@@ -54,11 +53,9 @@ class Scheduler:
         config: EngineConfig,
         block_manager: BlockManager,
         max_model_len: int,
-        policy: SpeculationPolicy | None = None,
         planner: SpecPlanner | None = None,
     ) -> None:
         self.config = config
-        self.policy = policy
         self.planner = planner
         self.blocks = block_manager
         self.max_model_len = max_model_len
@@ -150,9 +147,7 @@ class Scheduler:
         limit = spec.disable_by_batch_size
         if not spec.enabled or (limit and len(self.running) > limit):
             return 0
-        if self.policy is None:
-            return spec.num_speculative_tokens
-        return self.policy.choose_k(len(self.running))
+        return spec.num_speculative_tokens
 
     def _plan(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq:
         n = min(seq.num_uncomputed_tokens, budget)

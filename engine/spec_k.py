@@ -36,9 +36,12 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations of the global acceptance behind a fres
 # failures of the first requests cannot talk every later request out of drafting.
 GLOBAL_PRIOR_RATE = 0.6
 GLOBAL_PRIOR_WEIGHT = 4.0
-# Until the draft model has been verified this often over all requests, its catch-up is not priced:
-# the engine must see the draft work on this traffic before it can judge whether it pays.
+# Until a proposer has been verified this often over all requests, it is planned as if its drafts
+# were accepted at OPTIMISTIC_RATE (and the draft model's catch-up is not priced): the engine must
+# see a proposer at work on this traffic before it can judge whether it pays, and a plan made from
+# a pessimistic guess would never try it.
 EXPLORE_DRAFTS = 20.0
+OPTIMISTIC_RATE = 0.9
 PROBE_K = 2  # drafts a request may get when it is re-probed
 PROBE_EVERY = 8  # steps without drafts before the first re-probe; doubles while probes keep losing
 MAX_PROBE_EVERY = 64
@@ -46,6 +49,9 @@ FREE_CATCH_UP = 8  # tokens the draft model computes in its first forward withou
 FED_BACK = (
     2  # rows a drafting request usually adds to the draft's first forward (last draft + bonus)
 )
+# Drafts are planned only where they are expected to beat plain decoding by this much: the cost model
+# leaves out small per-draft costs (verification, bookkeeping), which all lean toward drafting.
+MIN_GAIN = 1.03
 # An n-gram match (free) is taken over the draft model (paid) unless this request's record says
 # the draft is this many times likelier to be right at the first position.
 DRAFT_OVER_MATCH = 2.0
@@ -149,9 +155,10 @@ def plan_step(
     (prompt chunks, one row per decoding request, grammar-forced drafts). Candidate plans take
     draft positions in order of gain (a request's positions in order, since gains only fall), with
     the draft model's depth capped at each possible value so cheap n-gram positions are weighed
-    without the draft's forwards; every prefix is scored with the measured cost curves."""
+    without the draft's forwards; every prefix is scored with the measured cost curves, and one
+    wins only by MIN_GAIN over no drafts at all."""
     best: dict[int, int] = {}
-    best_score = base_tokens / _seconds(costs, base_rows, 0, [])
+    best_score = MIN_GAIN * base_tokens / _seconds(costs, base_rows, 0, [])
     max_depth = max((len(o.gains) for o in options if o.draft_rows), default=0)
     for cap in range(max_depth + 1):
         positions = sorted(
@@ -262,12 +269,16 @@ class SpecPlanner:
         if not self._catch_up_pays(draft[0], lag, remaining, base_rows):
             return None
         gains, probe = draft
-        return DraftOption(index, "draft", gains, max(1, min(lag, FED_BACK)), probe)
+        rows = lag if lag <= FREE_CATCH_UP else FED_BACK  # a long catch-up is priced above instead
+        return DraftOption(index, "draft", gains, max(1, rows), probe)
 
     def _gains(self, state: RequestSpecState, name: str, k: int) -> tuple[list[float], bool]:
         """This request's gains for k drafts from one proposer, or the prior's when a probe is due."""
         track = state.track(name)
-        pooled = self.priors[name].pooled_rate()
+        prior = self.priors[name]
+        pooled = prior.pooled_rate()
+        if prior.evidence < EXPLORE_DRAFTS:
+            pooled = max(pooled, OPTIMISTIC_RATE)
         if track.probe_due:
             return reach(AcceptanceEstimate().rates(min(k, PROBE_K), pooled)), True
         return reach(track.acceptance.rates(k, pooled)), False
@@ -280,6 +291,6 @@ class SpecPlanner:
         target, draft, k = self.costs.target, self.costs.draft, len(gains)
         plain_step = target.seconds(batch_rows)
         draft_step = target.seconds(batch_rows + k) + draft.seconds(FED_BACK)
-        draft_step += (k - 1) * draft.seconds(1)
+        draft_step += (k - 1) * draft.seconds(1) + k * self.costs.draft_overhead
         saved_per_token = plain_step - draft_step / (1.0 + sum(gains))
         return remaining * saved_per_token > draft.seconds(lag)

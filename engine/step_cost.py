@@ -25,11 +25,14 @@ _CONTEXT = 32  # tokens in the cache behind the calibration rows, as a short dec
 
 class CostCurve:
     """Seconds of one forward against its number of rows: measured points, interpolated between
-    them, and extended proportionally past the last one."""
+    them, and extended proportionally past the last one. A forward is never taken to cost more
+    than one of more rows, so one noisy measurement cannot make a row count look dear (and then
+    never be tried again to correct it)."""
 
     def __init__(self) -> None:
         self.points: dict[int, float] = {}  # rows -> running mean of seconds
         self._rows: list[int] = []  # sorted keys of points
+        self._cost: list[float] = []  # per key: min of its mean and every larger key's
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0:
@@ -37,8 +40,11 @@ class CostCurve:
         if rows not in self.points:
             bisect.insort(self._rows, rows)
             self.points[rows] = seconds
-            return
-        self.points[rows] += WEIGHT * (seconds - self.points[rows])
+        else:
+            self.points[rows] += WEIGHT * (seconds - self.points[rows])
+        self._cost = [self.points[m] for m in self._rows]
+        for i in range(len(self._cost) - 2, -1, -1):
+            self._cost[i] = min(self._cost[i], self._cost[i + 1])
 
     @property
     def known(self) -> bool:
@@ -51,14 +57,14 @@ class CostCurve:
             return float(rows)  # nothing measured: every row a full unit, so no draft is free
         at = bisect.bisect_left(self._rows, rows)
         if at < len(self._rows) and self._rows[at] == rows:
-            return self.points[rows]
+            return self._cost[at]
         if at == 0:
-            return self.points[self._rows[0]]
+            return self._cost[0]
         lo = self._rows[at - 1]
         if at == len(self._rows):
-            return self.points[lo] * rows / lo
+            return self._cost[-1] * rows / lo
         hi = self._rows[at]
-        t_lo, t_hi = self.points[lo], self.points[hi]
+        t_lo, t_hi = self._cost[at - 1], self._cost[at]
         return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
 
     def summary(self, rows: Iterable[int] = (1, 2, 4, 5, 8, 16)) -> str:
@@ -66,15 +72,25 @@ class CostCurve:
 
 
 class StepCosts:
-    """The target's and the draft's cost curves, and the step's own time outside the forwards."""
+    """The target's and the draft's cost curves, and the time a step spends outside them."""
 
     def __init__(self) -> None:
         self.target = CostCurve()
         self.draft = CostCurve()
         self.overhead = 0.0  # seconds of a step outside the forwards: scheduling, verification
+        self.draft_overhead = 0.0  # seconds per draft forward outside it: sampling the drafts
 
-    def observe_overhead(self, seconds: float) -> None:
-        self.overhead += WEIGHT * (max(0.0, seconds) - self.overhead)
+    def observe_step(
+        self, seconds: float, target_seconds: float, draft_seconds: list[float], propose: float
+    ) -> None:
+        """One step: its wall time, its target forwards' time, each draft forward's time, and the
+        proposers' whole time (draft forwards included)."""
+        if draft_seconds:
+            per_forward = max(0.0, propose - sum(draft_seconds)) / len(draft_seconds)
+            self.draft_overhead += WEIGHT * (per_forward - self.draft_overhead)
+        drafting = sum(draft_seconds) + len(draft_seconds) * self.draft_overhead
+        outside = max(0.0, seconds - target_seconds - drafting)
+        self.overhead += WEIGHT * (outside - self.overhead)
 
 
 def calibration_rows(max_rows: int) -> list[int]:

@@ -196,7 +196,7 @@ def test_adaptive_k_and_confidence_cutoff_stay_lossless(
     engine = make_engine(tiny_model_dir, speculative=spec)
     prompts = random_prompts(6, (3, 30), vocab, seed=53)
     assert outputs(engine, prompts, greedy(20)) == outputs(plain, prompts, greedy(20))
-    assert engine.policy is not None and engine.policy.verdicts()  # it measured both modes
+    assert engine.costs.target.known and engine.costs.draft.known  # it measured both models
 
 
 def test_seeded_sampling_reproduces_under_adaptive_speculation(

@@ -119,6 +119,8 @@ def test_cost_curve_interpolates_and_extends() -> None:
     assert curve.seconds(10) == pytest.approx(0.6)  # past the last point: proportional
     curve.observe(5, 0.8)
     assert curve.seconds(5) == pytest.approx(0.3 + 0.2 * 0.5)  # a running mean
+    curve.observe(2, 0.9)  # a noisy spike: never dearer than a forward of more rows
+    assert curve.seconds(2) == pytest.approx(0.4)
     assert calibration_rows(20)[:16] == list(range(1, 17)) and calibration_rows(20)[-1] == 16
 
 

@@ -123,7 +123,6 @@ def test_request_k_drops_to_zero_for_failing_drafts_only(tiny_model_dir: Path, v
         method="draft", num_speculative_tokens=4, draft_model=str(tiny_model_dir), adaptive=True
     )
     engine = make_engine(tiny_model_dir, speculative=spec)
-    engine.scheduler.policy = engine.policy = None  # test the per-request choice on its own
     assert engine.planner is not None
     # Every verify row costs 0.3 of a one-row step and a draft forward a tenth of one, held fixed
     # against this host's timings (on a tiled kernel spare rows would be free, and even drafts

@@ -30,8 +30,8 @@ class SpeculativeConfig:
     # Speculation stops paying once the batch is large enough that a verify pass is compute-bound:
     # above this many running requests every request decodes plainly (0 = never disable).
     disable_by_batch_size: int = 0
-    # Speculate only where it measurably pays: per batch-size bucket, steps with drafts and steps
-    # without are timed, and the faster mode runs (the other is retried now and then).
+    # Plan each step's drafts from measured forward costs and each request's acceptance
+    # (engine/spec_k.py); off: every request drafts its k every step.
     adaptive: bool = True
     # Draft model: stop drafting a request once the draft's probability for its pick falls below this.
     draft_p_min: float = 0.0

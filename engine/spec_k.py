@@ -40,7 +40,7 @@ GLOBAL_PRIOR_WEIGHT = 4.0
 # were accepted at OPTIMISTIC_RATE (and the draft model's catch-up is not priced): the engine must
 # see a proposer at work on this traffic before it can judge whether it pays, and a plan made from
 # a pessimistic guess would never try it.
-EXPLORE_DRAFTS = 20.0
+EXPLORE_DRAFTS = 20
 OPTIMISTIC_RATE = 0.9
 PROBE_K = 2  # drafts a request may get when it is re-probed
 PROBE_EVERY = 8  # steps without drafts before the first re-probe; doubles while probes keep losing
@@ -204,11 +204,15 @@ class SpecPlanner:
         self.proposers = proposers
         self.costs = costs
         self.priors = {name: AcceptanceEstimate() for name in proposers}
+        self.verified = dict.fromkeys(proposers, 0)  # draft steps verified so far, per proposer
 
     def plan(self, batch: list[ScheduledSeq], ngram_drafts: Callable[[ScheduledSeq], int]) -> None:
         """Cut each adaptive request's spec_k ceilings down to the step's best plan.
         ngram_drafts(item): how many drafts an n-gram lookup finds for it now."""
         base_rows = sum(item.num_new_tokens for item in batch)
+        # A long draft catch-up in a step that also computes prompt tokens would hold back those
+        # requests' first tokens: it waits for a step of decodes only.
+        prefilling = any(item.num_prompt_tokens > 0 for item in batch)
         base_tokens = 0.0
         planned: list[ScheduledSeq] = []
         for item in batch:
@@ -224,7 +228,8 @@ class SpecPlanner:
         options = [
             option
             for i, item in enumerate(batch)
-            if item in planned and (option := self._option(i, item, ngram_drafts, base_rows))
+            if item in planned
+            and (option := self._option(i, item, ngram_drafts, base_rows, len(batch), prefilling))
         ]
         depths = plan_step(options, base_rows, base_tokens, self.costs)
         chosen = {o.index: o for o in options}
@@ -247,6 +252,7 @@ class SpecPlanner:
             return
         state.track(proposer).acceptance.observe(drafted, accepted)
         self.priors[proposer].observe(drafted, accepted, decay=0.99)
+        self.verified[proposer] += 1
 
     def _option(
         self,
@@ -254,6 +260,8 @@ class SpecPlanner:
         item: ScheduledSeq,
         ngram_drafts: Callable[[ScheduledSeq], int],
         base_rows: int,
+        batch_size: int,
+        prefilling: bool,
     ) -> DraftOption | None:
         """The request's n-gram match if it has one, else the draft model if it may run."""
         state, seq = item.seq.spec_state, item.seq
@@ -266,7 +274,9 @@ class SpecPlanner:
             return None
         lag = seq.num_tokens - seq.num_draft_computed_tokens
         remaining = seq.params.max_tokens - seq.num_output_tokens
-        if not self._catch_up_pays(draft[0], lag, remaining, base_rows):
+        if lag > FREE_CATCH_UP and (
+            prefilling or not self._catch_up_pays(draft[0], lag, remaining, base_rows, batch_size)
+        ):
             return None
         gains, probe = draft
         rows = lag if lag <= FREE_CATCH_UP else FED_BACK  # a long catch-up is priced above instead
@@ -275,22 +285,24 @@ class SpecPlanner:
     def _gains(self, state: RequestSpecState, name: str, k: int) -> tuple[list[float], bool]:
         """This request's gains for k drafts from one proposer, or the prior's when a probe is due."""
         track = state.track(name)
-        prior = self.priors[name]
-        pooled = prior.pooled_rate()
-        if prior.evidence < EXPLORE_DRAFTS:
+        pooled = self.priors[name].pooled_rate()
+        if self.verified[name] < EXPLORE_DRAFTS:
             pooled = max(pooled, OPTIMISTIC_RATE)
         if track.probe_due:
             return reach(AcceptanceEstimate().rates(min(k, PROBE_K), pooled)), True
         return reach(track.acceptance.rates(k, pooled)), False
 
-    def _catch_up_pays(self, gains: list[float], lag: int, remaining: int, batch_rows: int) -> bool:
+    def _catch_up_pays(
+        self, gains: list[float], lag: int, remaining: int, batch_rows: int, batch_size: int
+    ) -> bool:
         """Do the seconds the drafts should save over the rest of the request outweigh the draft
-        model computing `lag` tokens first? (Always yes while the draft's acceptance is unknown.)"""
-        if lag <= FREE_CATCH_UP or self.priors["draft"].evidence < EXPLORE_DRAFTS:
+        model computing `lag` tokens first, a wait every request in the step shares? (Always yes
+        while the draft's acceptance is unknown.)"""
+        if lag <= FREE_CATCH_UP or self.verified["draft"] < EXPLORE_DRAFTS:
             return True
         target, draft, k = self.costs.target, self.costs.draft, len(gains)
         plain_step = target.seconds(batch_rows)
         draft_step = target.seconds(batch_rows + k) + draft.seconds(FED_BACK)
         draft_step += (k - 1) * draft.seconds(1) + k * self.costs.draft_overhead
         saved_per_token = plain_step - draft_step / (1.0 + sum(gains))
-        return remaining * saved_per_token > draft.seconds(lag)
+        return remaining * saved_per_token > batch_size * draft.seconds(lag)

@@ -165,6 +165,7 @@ class FakeServer:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []  # (mode, prompt text)
+        self.primed: list[tuple[str, str, int]] = []  # (mode, prompt text, measured so far)
         self.drafts = 0
 
     def app(self) -> Any:
@@ -208,6 +209,8 @@ class FakeServer:
         text = body["prompt"] if "prompt" in body else body["messages"][-1]["content"]
         if body["max_tokens"] > 4:  # warm-up requests are left out of the record
             self.seen.append(("spec" if spec else "plain", text))
+        elif body["max_tokens"] == 1:
+            self.primed.append(("spec" if spec else "plain", text, len(self.seen)))
         per_step = 2 if spec else 1
         left = body["max_tokens"]
         while left > 0:
@@ -320,6 +323,8 @@ def test_bench_against_fake_server(tmp_path: Path, fake_server: tuple[str, FakeS
     spec_seen = sorted(text for mode, text in fake.seen if mode == "spec")
     plain_seen = sorted(text for mode, text in fake.seen if mode == "plain")
     assert spec_seen == plain_seen and len(spec_seen) == 2 * (3 + 4)
+    # Every prompt was put in the prefix cache once, plainly, before anything was measured.
+    assert sorted(fake.primed) == sorted(("plain", text, 0) for text in set(spec_seen))
     for row in rows:
         if row["mode"] == "spec":
             # The fake drafts 3 tokens per step and accepts exactly the first.

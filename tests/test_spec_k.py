@@ -133,14 +133,16 @@ def test_draft_catches_up_only_where_the_rest_of_the_request_pays_for_it() -> No
     planner = _planner()
     gains = [0.9, 0.8, 0.7]
     # Before the draft was seen at work on this traffic, it explores: catch-up is not priced yet.
-    assert planner._catch_up_pays(gains, lag=300, remaining=64, batch_rows=1)
+    assert planner._catch_up_pays(gains, lag=300, remaining=64, batch_rows=1, batch_size=1)
     state = RequestSpecState()
-    for _ in range(int(EXPLORE_DRAFTS) + 10):
+    for _ in range(EXPLORE_DRAFTS):
         planner.observe(state, "draft", 3, 3)
     # A step saves (1 - 1.6 / 3.4) of a 1 s step per token; catching up on 300 tokens costs 30 s.
-    assert not planner._catch_up_pays(gains, lag=300, remaining=40, batch_rows=1)
-    assert planner._catch_up_pays(gains, lag=300, remaining=100, batch_rows=1)
-    assert planner._catch_up_pays(gains, lag=2, remaining=4, batch_rows=1)  # rides along
+    assert not planner._catch_up_pays(gains, lag=300, remaining=40, batch_rows=1, batch_size=1)
+    assert planner._catch_up_pays(gains, lag=300, remaining=100, batch_rows=1, batch_size=1)
+    # In a batch of four every request waits for the catch-up.
+    assert not planner._catch_up_pays(gains, lag=300, remaining=100, batch_rows=4, batch_size=4)
+    assert planner._catch_up_pays(gains, lag=2, remaining=4, batch_rows=1, batch_size=1)
 
 
 def test_planner_keeps_separate_records_per_proposer() -> None:

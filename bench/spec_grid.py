@@ -1,0 +1,191 @@
+"""Adaptive speculation against every fixed configuration, in one engine, on the bench's prompts.
+
+    python -m bench.spec_grid --categories code,chat,summarization --concurrency 1,8 \\
+        --ks 2,4,6 --proposers draft,ngram,hybrid --num-prompts 4 --max-tokens 64 --out grid
+
+One engine (the launch config's models, quantization and threads) serves every mode in turn, so
+no mode pays a model load or sees another machine: `plain` (no drafts), `adaptive` (the planner,
+ceiling k from the config) and one fixed mode per proposer and k (that many drafts every step, no
+planning). A round is `concurrency` prompts started together; each round runs every mode back to
+back, in an order that reverses every round, and each prompt is first put in the target's prefix
+cache so that no mode measures a prefill another skipped. Cells report each mode's output tokens
+per second over plain's, the median over rounds (greedy, so every mode emits the same tokens).
+This is an engine-level companion to `specserve bench` (no HTTP, no streaming): it answers
+"which configuration would have been best here" at a cost a 2-core machine can pay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.cli import csv_list
+from bench.datasets import Prompt, load_category
+from engine.llm_engine import LLMEngine
+from engine.proposers import HybridProposer, Proposer
+from engine.proposers.forced import ForcedDraftProposer
+from engine.sampling_params import SamplingParams
+from engine.spec_k import SpecPlanner
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    proposer: str  # "none", "draft", "ngram", "hybrid"
+    k: int
+    adaptive: bool = False
+
+
+def modes_of(ks: list[int], proposers: list[str], adaptive_k: int) -> list[Mode]:
+    fixed = [Mode(f"{p} k={k}", p, k) for p in proposers for k in ks]
+    return [Mode("plain", "none", 0), Mode("adaptive", "hybrid", adaptive_k, True), *fixed]
+
+
+class Switch:
+    """Puts one engine into each mode: its proposer, and the planner on or off."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.planner: SpecPlanner | None = engine.planner
+        inner = engine.proposer.inner  # type: ignore[attr-defined]
+        if not isinstance(inner, HybridProposer):
+            raise SystemExit("spec_grid needs a config with speculative_method: hybrid")
+        self.proposers: dict[str, Proposer] = {
+            "none": inner,
+            "hybrid": inner,
+            "draft": inner.draft,
+            "ngram": inner.ngram,
+        }
+
+    def set(self, mode: Mode) -> None:
+        planner = self.planner if mode.adaptive else None
+        self.engine.planner = self.engine.scheduler.planner = planner
+        self.engine.proposer = ForcedDraftProposer(self.proposers[mode.proposer])
+
+
+def token_ids(engine: LLMEngine, prompt: Prompt) -> list[int]:
+    tok = engine.tokenizer
+    if prompt.prompt is not None:
+        return list(tok.encode(prompt.prompt))
+    text = tok.apply_chat_template(
+        prompt.message_dicts(), add_generation_prompt=True, tokenize=False
+    )
+    return list(tok.encode(str(text), add_special_tokens=False))
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], k: int, max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=k)
+    started = time.perf_counter()
+    seqs = engine.generate(prompts, params)
+    return sum(seq.num_output_tokens for seq in seqs) / (time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config", type=Path, default=Path("configs/default.yaml"))
+    ap.add_argument("--categories", default="code,chat,summarization")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--ks", default="2,4,6")
+    ap.add_argument("--proposers", default="draft,ngram,hybrid")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+
+    from server.settings import Settings
+
+    settings = Settings.load(args.config)
+    ks = [int(k) for k in csv_list(args.ks)]
+    config = settings.engine_config()
+    adaptive_k = config.speculative.num_speculative_tokens
+    spec = replace(config.speculative, num_speculative_tokens=max([*ks, adaptive_k]))
+    engine = LLMEngine(replace(config, speculative=spec))
+    switch = Switch(engine)
+    modes = modes_of(ks, csv_list(args.proposers), adaptive_k)
+    loads = [int(c) for c in csv_list(args.concurrency)]
+    prompts = {
+        c: [token_ids(engine, p) for p in load_category(c, args.num_prompts, {}, args.seed)]
+        for c in csv_list(args.categories)
+    }
+    rows = []
+    total = sum(-(-max(len(ps), c) // c) for ps in prompts.values() for c in loads) * len(modes)
+    with tqdm(total=total, desc="grid", unit="run") as bar:
+        switch.set(modes[0])
+        for category, ids in prompts.items():
+            bar.set_postfix_str(f"priming {category}")
+            engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=1))
+            for c in loads:
+                rates = measure(engine, switch, modes, ids, c, args.max_tokens, bar, category)
+                rows += cell_rows(category, c, rates)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "grid.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "grid.md").write_text(table(rows, [m.name for m in modes], loads))
+    print(table(rows, [m.name for m in modes], loads))
+    return 0
+
+
+def measure(
+    engine: LLMEngine,
+    switch: Switch,
+    modes: list[Mode],
+    ids: list[list[int]],
+    c: int,
+    max_tokens: int,
+    bar: tqdm,
+    category: str,
+) -> dict[str, list[float]]:
+    """mode -> its tok/s over plain's, one per round."""
+    total = -(-max(len(ids), c) // c) * c
+    batch = [ids[i % len(ids)] for i in range(total)]
+    ratios: dict[str, list[float]] = {m.name: [] for m in modes}
+    for r, start in enumerate(range(0, total, c)):
+        speeds = {}
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            bar.set_postfix_str(f"{category} c={c} {mode.name}")
+            switch.set(mode)
+            speeds[mode.name] = run(engine, batch[start : start + c], mode.k, max_tokens)
+            bar.update(1)
+        for name, speed in speeds.items():
+            ratios[name].append(speed / speeds["plain"])
+    return ratios
+
+
+def cell_rows(category: str, c: int, ratios: dict[str, list[float]]) -> list[dict[str, object]]:
+    return [
+        {
+            "category": category,
+            "concurrency": c,
+            "mode": m,
+            "speedup": statistics.median(r),
+            "rounds": r,
+        }
+        for m, r in ratios.items()
+    ]
+
+
+def table(rows: list[dict[str, object]], modes: list[str], loads: list[int]) -> str:
+    cells = {(r["category"], r["concurrency"], r["mode"]): r["speedup"] for r in rows}
+    categories = list(dict.fromkeys(str(r["category"]) for r in rows))
+    lines = [
+        "| category | c | " + " | ".join(modes) + " | adaptive ÷ best fixed |",
+        "|---|---|" + "---|" * (len(modes) + 1),
+    ]
+    for category in categories:
+        for c in loads:
+            speed = {m: float(cells[(category, c, m)]) for m in modes}  # type: ignore[arg-type]
+            fixed = [v for m, v in speed.items() if m not in ("plain", "adaptive")]
+            best = max(fixed, default=1.0)
+            marks = " | ".join(f"{speed[m]:.2f}" for m in modes)
+            lines.append(f"| {category} | {c} | {marks} | {speed['adaptive'] / best:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -40,7 +40,7 @@ GLOBAL_PRIOR_WEIGHT = 4.0
 # were accepted at OPTIMISTIC_RATE (and the draft model's catch-up is not priced): the engine must
 # see a proposer at work on this traffic before it can judge whether it pays, and a plan made from
 # a pessimistic guess would never try it.
-EXPLORE_DRAFTS = 20
+EXPLORE_DRAFTS = 8
 OPTIMISTIC_RATE = 0.9
 PROBE_K = 2  # drafts a request may get when it is re-probed
 PROBE_EVERY = 8  # steps without drafts before the first re-probe; doubles while probes keep losing

@@ -497,3 +497,19 @@ def test_gpu_script_is_valid_bash_with_known_flags() -> None:
     used = set(re.findall(r"(--[a-z-]+)", call))
     assert used and used <= known, used - known
     assert {"--launch", "--device", "--out", "--peers"} <= used
+
+
+def test_spec_grid_modes_and_table() -> None:
+    from bench.spec_grid import modes_of, table
+
+    modes = modes_of([2, 4], ["draft", "ngram"], adaptive_k=3)
+    names = [m.name for m in modes]
+    assert names == ["plain", "adaptive", "draft k=2", "draft k=4", "ngram k=2", "ngram k=4"]
+    assert modes[1].adaptive and modes[1].k == 3 and not any(m.adaptive for m in modes[2:])
+    speed = {"plain": 1.0, "adaptive": 1.2, "draft k=2": 1.5, "draft k=4": 0.8}
+    speed |= {"ngram k=2": 0.9, "ngram k=4": 1.0}
+    rows = [
+        {"category": "code", "concurrency": 1, "mode": m, "speedup": v} for m, v in speed.items()
+    ]
+    text = table(rows, names, [1])
+    assert "| code | 1 | 1.00 | 1.20 | 1.50 | 0.80 | 0.90 | 1.00 | 0.80 |" in text  # 1.2 / 1.5

@@ -170,10 +170,8 @@ def plan_step(
             key=lambda p: (-p[0], p[1]),
         )
         depths: dict[int, int] = {}
-        first_rows, deeper = (
-            0,
-            [0] * max_depth,
-        )  # draft forwards: rows of the first, then each later
+        # the draft model's forwards: rows of the first (catch-up included), then of each later one
+        first_rows, deeper = 0, [0] * max_depth
         tokens, rows = base_tokens, base_rows
         for gain, j, option in positions:
             depths[option.index] = j + 1
@@ -192,7 +190,8 @@ def plan_step(
 def _seconds(
     costs: StepCosts, target_rows: int, draft_first: int, draft_deeper: list[int]
 ) -> float:
-    draft = costs.draft.seconds(draft_first) + sum(costs.draft.seconds(m) for m in draft_deeper)
+    forwards = [m for m in (draft_first, *draft_deeper) if m]
+    draft = sum(costs.draft.seconds(m) + costs.draft_overhead for m in forwards)
     return costs.target.seconds(target_rows) + draft + costs.overhead
 
 

@@ -165,3 +165,15 @@ def test_a_few_early_failures_do_not_talk_everyone_out_of_drafting() -> None:
 def test_pooled_rate_starts_from_the_prior() -> None:
     est = AcceptanceEstimate()
     assert 0.5 < est.pooled_rate() < 0.7
+
+
+def test_step_overheads_are_measured_and_priced() -> None:
+    c = costs(draft_per_row=0.1)
+    for _ in range(50):  # 0.1 s of each draft forward is sampling, 0.05 s of the step is neither
+        c.observe_step(seconds=1.45, target_seconds=1.0, draft_seconds=[0.1, 0.1], propose=0.4)
+    assert c.draft_overhead == pytest.approx(0.1, rel=1e-3)
+    assert c.overhead == pytest.approx(0.05, rel=1e-3)
+    paid = DraftOption(0, "draft", [0.9, 0.8, 0.7], draft_rows=2)
+    assert plan_step([paid], 1, 1, c) == {0: 3}
+    c.draft_overhead = 1.0  # drafting's own bookkeeping as dear as a step: no longer pays
+    assert plan_step([paid], 1, 1, c) == {}

@@ -52,6 +52,9 @@ FED_BACK = (
 # Drafts are planned only where they are expected to beat plain decoding by this much: the cost model
 # leaves out small per-draft costs (verification, bookkeeping), which all lean toward drafting.
 MIN_GAIN = 1.03
+# In a step that computes prompt tokens, drafts may slow the step by at most this factor, so time
+# to first token stays the plain path's.
+FIRST_TOKEN_SLOWDOWN = 1.05
 # An n-gram match (free) is taken over the draft model (paid) unless this request's record says
 # the draft is this many times likelier to be right at the first position.
 DRAFT_OVER_MATCH = 2.0
@@ -147,7 +150,11 @@ class DraftOption:
 
 
 def plan_step(
-    options: list[DraftOption], base_rows: int, base_tokens: float, costs: StepCosts
+    options: list[DraftOption],
+    base_rows: int,
+    base_tokens: float,
+    costs: StepCosts,
+    max_slowdown: float | None = None,
 ) -> dict[int, int]:
     """request index -> drafts, maximizing expected tokens per second of this step.
 
@@ -156,9 +163,12 @@ def plan_step(
     draft positions in order of gain (a request's positions in order, since gains only fall), with
     the draft model's depth capped at each possible value so cheap n-gram positions are weighed
     without the draft's forwards; every prefix is scored with the measured cost curves, and one
-    wins only by MIN_GAIN over no drafts at all."""
+    wins only by MIN_GAIN over no drafts at all. max_slowdown: no plan may make the step slower
+    than this factor of the step without drafts (a step that produces first tokens)."""
     best: dict[int, int] = {}
-    best_score = MIN_GAIN * base_tokens / _seconds(costs, base_rows, 0, [])
+    plain = _seconds(costs, base_rows, 0, [])
+    best_score = MIN_GAIN * base_tokens / plain
+    limit = plain * max_slowdown if max_slowdown is not None else float("inf")
     max_depth = max((len(o.gains) for o in options if o.draft_rows), default=0)
     for cap in range(max_depth + 1):
         positions = sorted(
@@ -181,8 +191,9 @@ def plan_step(
                     first_rows += option.draft_rows
                 else:
                     deeper[j] += 1
-            score = tokens / _seconds(costs, rows, first_rows, deeper)
-            if score > best_score:
+            seconds = _seconds(costs, rows, first_rows, deeper)
+            score = tokens / seconds
+            if score > best_score and seconds <= limit:
                 best_score, best = score, dict(depths)
     return best
 
@@ -230,7 +241,9 @@ class SpecPlanner:
             if item in planned
             and (option := self._option(i, item, ngram_drafts, base_rows, len(batch), prefilling))
         ]
-        depths = plan_step(options, base_rows, base_tokens, self.costs)
+        # A step that gives requests their first token takes only drafts that barely slow it down.
+        slowdown = FIRST_TOKEN_SLOWDOWN if prefilling else None
+        depths = plan_step(options, base_rows, base_tokens, self.costs, slowdown)
         chosen = {o.index: o for o in options}
         for i, item in enumerate(batch):
             if item not in planned:

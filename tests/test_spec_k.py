@@ -76,6 +76,12 @@ def test_a_step_with_a_long_prompt_chunk_takes_drafts_almost_for_free() -> None:
     assert plan_step([ngram(0, 0.5, 0.25)], 500, 1, costs()) == {0: 2}
 
 
+def test_a_step_that_gives_first_tokens_takes_only_drafts_that_fit_its_tiles() -> None:
+    options = [ngram(0, 0.9, 0.8, 0.7, 0.6)]
+    assert plan_step(options, 3, 1, costs()) == {0: 4}  # 7 rows: worth a second tile
+    assert plan_step(options, 3, 1, costs(), max_slowdown=1.05) == {0: 1}  # TTFT first
+
+
 def test_estimate_follows_recent_behaviour() -> None:
     est = AcceptanceEstimate()
     for _ in range(20):

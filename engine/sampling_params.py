@@ -45,5 +45,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def seeded_sampling(self) -> bool:
+        """Sampled under a seed: its random draws depend on k, so it keeps its own k (its seed must
+        reproduce whatever else is in the batch; greedy output does not depend on k at all)."""
+        return self.seed is not None and not self.greedy
+
+    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -25,7 +25,6 @@ class ScheduledSeq:
     num_new_tokens: int  # known tokens to compute: seq.token_ids[num_computed : num_computed + n]
     num_spec_tokens: int  # draft slots reserved after them (0 unless the chunk reaches the end)
     spec_k: dict[str, int] = field(default_factory=dict)  # proposer -> drafts it may propose
-    fixed_k: bool = False  # keeps its k whatever the planner would choose (seeded sampling)
 
     def k_for(self, proposer: str) -> int:
         return min(self.spec_k.get(proposer, 0), self.num_spec_tokens)
@@ -164,7 +163,6 @@ class Scheduler:
         names = self.config.speculative.proposers
         k = self._request_k(seq, step_k)
         item.spec_k = {name: max(0, min(k, room)) for name in names} if k else {}
-        item.fixed_k = seq.params.seed is not None and not seq.params.greedy
         if item.num_prompt_tokens > 0 and seq.num_tokens - seq.num_draft_computed_tokens > 32:
             # No draft-model forward in the step that finishes a long prompt: the draft would prefill
             # it first and delay the first token. It catches up in the next step instead.
@@ -178,10 +176,8 @@ class Scheduler:
 
     def _request_k(self, seq: Sequence, step_k: int) -> int:
         """The most drafts this request may get this step, from any proposer (the planner picks
-        how many it does get). A seeded sampled request keeps its own k: its random draws depend
-        on k, and its seed must reproduce whatever else is in the batch (greedy output does not
-        depend on k at all)."""
-        if seq.params.seed is not None and not seq.params.greedy:
+        how many it does get); a seeded sampled request keeps its own k."""
+        if seq.params.seeded_sampling:
             return seq.num_speculative_tokens
         return min(seq.num_speculative_tokens, step_k)
 

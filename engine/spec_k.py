@@ -224,32 +224,30 @@ class SpecPlanner:
         # requests' first tokens: it waits for a step of decodes only.
         prefilling = any(item.num_prompt_tokens > 0 for item in batch)
         base_tokens = 0.0
-        planned: list[ScheduledSeq] = []
-        for item in batch:
+        planned: list[int] = []  # batch indices of the requests this plan decides
+        for i, item in enumerate(batch):
             if not item.reaches_end:
                 continue
             base_tokens += 1
             forced = item.k_for(FORCED_SOURCE)
-            if forced or item.fixed_k or not item.num_spec_tokens:
+            if forced or item.seq.params.seeded_sampling or not item.num_spec_tokens:
                 base_rows += item.num_spec_tokens
                 base_tokens += forced
             else:
-                planned.append(item)
+                planned.append(i)
         options = [
             option
-            for i, item in enumerate(batch)
-            if item in planned
-            and (option := self._option(i, item, ngram_drafts, base_rows, len(batch), prefilling))
+            for i in planned
+            if (
+                option := self._option(i, batch[i], ngram_drafts, base_rows, len(batch), prefilling)
+            )
         ]
         # A step that gives requests their first token takes only drafts that barely slow it down.
         slowdown = FIRST_TOKEN_SLOWDOWN if prefilling else None
         depths = plan_step(options, base_rows, base_tokens, self.costs, slowdown)
         chosen = {o.index: o for o in options}
-        for i, item in enumerate(batch):
-            if item not in planned:
-                continue
-            option = chosen.get(i)
-            drafts = depths.get(i, 0)
+        for i in planned:
+            item, option, drafts = batch[i], chosen.get(i), depths.get(i, 0)
             for name in item.spec_k:
                 picked = option is not None and name == option.proposer
                 item.spec_k[name] = drafts if picked else 0

@@ -16,8 +16,11 @@ PROPOSERS: dict[str, tuple[str, ...]] = {
 Dtype = Literal["float32", "bfloat16", "float16"]
 # auto: a GGUF's quantized tensors stay quantized (int4 for Q4_K, int8 for the others), float
 # checkpoints stay float; none: everything dequantized to `dtype`; int8 / int4: float
-# checkpoints rounded to nearest at load (GGUF files behave as with auto).
-Quantization = Literal["auto", "none", "int8", "int4"]
+# checkpoints rounded to nearest at load (GGUF files behave as with auto); w8a8: every matrix
+# rounded to int8 per row and run with activations rounded to int8 per row in two passes (bf16's
+# quality, fbgemm on x86 CPUs); w8a8-fast: one pass, 7-bit activations (for a draft model).
+Quantization = Literal["auto", "none", "int8", "int4", "w8a8", "w8a8-fast"]
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4", "w8a8", "w8a8-fast")
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class SpeculativeConfig:
     method: SpecMethod = "none"
     num_speculative_tokens: int = 4  # k: the most tokens proposed per request per step
     draft_model: str | None = None  # path, GGUF file, hub id or "bundled:<name>"
+    draft_quantization: Quantization | None = None  # None: the target's
     ngram_min: int = 1
     ngram_max: int = 4
     # Speculation stops paying once the batch is large enough that a verify pass is compute-bound:
@@ -49,6 +53,8 @@ class SpeculativeConfig:
             raise ValueError("draft_p_min must be in [0, 1)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.draft_quantization is not None:
+            _check_quantization("draft_quantization", self.draft_quantization)
 
     @property
     def proposers(self) -> tuple[str, ...]:
@@ -65,7 +71,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model's own
     device: str = "cpu"
     dtype: Dtype = "bfloat16"
-    quantization: Quantization = "auto"  # target and draft alike
+    quantization: Quantization = "auto"  # the target's, and the draft's unless it sets its own
     block_size: int = 16
     kv_cache_gib: float = 2.0  # KV pool size on CPU (target and draft together)
     num_kv_blocks: int | None = None  # exact pool size in blocks; overrides the memory budget
@@ -89,7 +95,18 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.tensor_parallel_size > 1 and self.speculative.draft_model == self.model:
             raise ValueError("with tensor parallelism the draft must be a different model")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
+        _check_quantization("quantization", self.quantization)
+        if self.quantization == "w8a8-fast":
             raise ValueError(
-                f"quantization must be auto, none, int8 or int4, not {self.quantization!r}"
+                "quantization w8a8-fast is for a draft model (draft_quantization): its 7-bit "
+                "activations change ~4% of the target's greedy picks; use w8a8 for the target"
             )
+
+    @property
+    def draft_quantization(self) -> Quantization:
+        return self.speculative.draft_quantization or self.quantization
+
+
+def _check_quantization(name: str, value: str) -> None:
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"{name} must be one of {', '.join(QUANTIZATIONS)}, not {value!r}")

@@ -424,7 +424,7 @@ class LLMEngine:
             return NoProposer()
         assert spec.draft_model is not None
         log.info("loading draft model %s", spec.draft_model)
-        loaded = load_model(spec.draft_model, self.config.quantization)
+        loaded = load_model(spec.draft_model, self.config.draft_quantization)
         check_same_vocab(self.tokenizer, loaded.tokenizer)
         self.draft = ModelRunner(
             loaded, self.config.device, self.config.dtype, self.config.block_size

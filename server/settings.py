@@ -18,7 +18,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import EngineConfig, Quantization, SpeculativeConfig
 
 # The file's values for the `Settings` being built now (a settings source cannot take arguments).
 _file_values: ContextVar[dict[str, Any] | None] = ContextVar("_file_values", default=None)
@@ -70,10 +70,15 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="bfloat16", description="weights"
     )
-    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+    quantization: Quantization = Field(
         default="auto",
         description="auto: a GGUF's quantized blocks run on int4/int8 kernels; none: dequantize "
-        "to dtype; int8/int4: quantize a float checkpoint at load",
+        "to dtype; int8/int4: quantize a float checkpoint at load; w8a8: int8 weights and "
+        "int8 activations in two passes (fbgemm, x86 CPUs); w8a8-fast: one pass, 7-bit "
+        "activations (for a draft)",
+    )
+    draft_quantization: Quantization | None = Field(
+        default=None, description="the draft model's quantization (null: the target's)"
     )
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
@@ -111,6 +116,8 @@ class Settings(BaseSettings):
             )
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min: must be <= ngram_max")
+        if self.quantization == "w8a8-fast":
+            raise ValueError("quantization: w8a8-fast is for a draft model (draft_quantization)")
         return self
 
     @classmethod
@@ -145,6 +152,7 @@ class Settings(BaseSettings):
             method=self.speculative_method,
             num_speculative_tokens=self.num_speculative_tokens,
             draft_model=self.draft_model,
+            draft_quantization=self.draft_quantization,
             ngram_min=self.ngram_min,
             ngram_max=self.ngram_max,
             disable_by_batch_size=self.speculative_disable_batch_size,

@@ -2,7 +2,8 @@
 packed weights are never cached on disk) and multiply per call.
 
 Every kernel computes the weights its `QuantizedWeight` describes; `DenseKernel` is the
-reference (dequantized once into the activation dtype) and the fallback. Which kernel a weight
+reference (dequantized once into the activation dtype) and the fallback. `Int8DynamicKernel`
+also rounds its activations to int8 per row (`quantization: w8a8`), for fbgemm's int8 GEMM. Which kernel a weight
 gets is decided once at load by `make_kernel`; a kernel that fails its start-up self-test or
 lacks its op falls back to `DenseKernel` with one log line per kind.
 """
@@ -10,6 +11,7 @@ lacks its op falls back to `DenseKernel` with one log line per kind.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Protocol
 
 import torch
@@ -98,6 +100,75 @@ class Int4CudaKernel:
         return [self.packed, self.scale_zero]
 
 
+class Int8DynamicKernel:
+    """fbgemm's int8 x int8 GEMM (`quantized::linear_dynamic`) on activations rounded per row.
+
+    On CPUs without a native int4 GEMM (AVX2) this is the fastest kernel at one row and grows
+    slowly with rows, which is what makes verifying drafts cheap (docs/BENCHMARKS.md).
+
+    Batch invariance: fbgemm rounds its whole input with one scale, which would couple the rows
+    of a batch. So each row is first put on a grid of its own (`_row_grid`): 128 levels across
+    the row's [min, max], handed over as g = (q - 64) / 64. Every input then spans exactly
+    [-1, 63/64], fbgemm picks scale 1/64 and zero point 64 whatever the batch, its integer
+    products are exact, and a row's output is bit-identical alone or in any batch.
+
+    Precision: 7 bits per row lose ~4% of greedy picks on the 1.5B (outlier channels stretch a
+    row's range). With `passes = 2` the row's rounding residual is put on its own grid and goes
+    through the same GEMM as extra rows (~14 bits), which keeps bf16's quality at twice the rows.
+    """
+
+    name = "w8a8-cpu"
+    passes = 2
+    tolerance = 4e-2  # what the self-test allows against bf16 F.linear
+
+    def __init__(self, weight: Int8Weight, device: torch.device) -> None:
+        scale = weight.scale.double()  # [N]
+        zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated: the self-test and
+            warnings.simplefilter("ignore")  # the int8 fallback cover their removal
+            q = torch._make_per_channel_quantized_tensor(weight.q, scale, zeros, 0)
+        self.packed = torch.ops.quantized.linear_prepack(q, None)
+        self.row_sums = weight.dequantize(torch.float32).sum(1)  # [N]: W 1
+        self.q = weight.q  # kept for tensors(); the packed copy is fbgemm's own
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] float32
+        x = x.float()
+        m = x.shape[0]
+        g, offset, step = _row_grid(x)  # x ~ offset + step * g: [M, K], [M, 1], [M, 1]
+        if self.passes == 1:
+            y = torch.ops.quantized.linear_dynamic(g, self.packed, True)  # [M, N]: W g
+            return torch.addcmul(offset * self.row_sums, step, y)
+        g_res, offset_res, step_res = _row_grid(x - torch.addcmul(offset, step, g))
+        y = torch.ops.quantized.linear_dynamic(torch.cat([g, g_res]), self.packed, True)
+        out = torch.addcmul((offset + offset_res) * self.row_sums, step, y[:m])  # [M, N]
+        return out.addcmul_(step_res, y[m:])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.row_sums]
+
+
+class Int8DynamicFastKernel(Int8DynamicKernel):
+    """One pass: 7-bit activations, the fastest kernel here, for a draft model."""
+
+    name = "w8a8-fast-cpu"
+    passes = 1
+    tolerance = 6e-2
+
+
+_ACT_LEVELS = 127  # fbgemm's reduced range: u8 x s8 pairs cannot saturate on AVX2
+_ACT_ZERO = 64
+
+
+def _row_grid(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round each row of x [M, K] to 128 levels spanning its own [min, max]: x ~ offset + step * g
+    with g = (q - 64) / 64, q in 0..127, both ends taken in every row."""
+    lo, hi = torch.aminmax(x, dim=1, keepdim=True)  # [M, 1] each
+    span = (hi - lo).clamp_(min=1e-30)
+    q = torch.round((x - lo) * (_ACT_LEVELS / span))
+    step = span * (_ACT_ZERO / _ACT_LEVELS)
+    return q.sub_(_ACT_ZERO).mul_(1 / _ACT_ZERO), lo + step, step
+
+
 class Int8Kernel:
     """aten's int8 weight-only GEMM (bf16 activations, one scale per output row)."""
 
@@ -130,45 +201,59 @@ def _scale_zero(weight: Int4Weight) -> torch.Tensor:  # [K / group, N, 2] bf16
 
 
 def make_kernel(
-    weight: QuantizedWeight | torch.Tensor, dtype: torch.dtype, device: torch.device
+    weight: QuantizedWeight | torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    activation_passes: int = 0,
 ) -> Kernel:
-    """The fastest kernel for `weight` that passed its self-test here, else `DenseKernel`."""
+    """The fastest kernel for `weight` that passed its self-test here, else `DenseKernel`.
+
+    `activation_passes` 1 or 2: an int8 weight takes `Int8DynamicKernel` where fbgemm runs
+    (else the weight-only int8 kernel)."""
     if isinstance(weight, torch.Tensor):
         return DenseKernel(weight, dtype, device)
-    kind = _kernel_class(weight, dtype, device)
-    if kind is None:
-        return DenseKernel(weight, dtype, device)
-    key = (kind.name, device.type)
-    if key not in _checked:
-        _checked[key] = _self_test(kind, weight, device)
-    if not _checked[key]:
-        return DenseKernel(weight, dtype, device)
-    try:
-        return kind(weight, device)  # type: ignore[arg-type]
-    except (RuntimeError, NotImplementedError) as err:
-        _fail(kind.name, f"{type(err).__name__}: {err}")
-        _checked[key] = False
-        return DenseKernel(weight, dtype, device)
+    for kind in _kernel_classes(weight, dtype, device, activation_passes):
+        key = (kind.name, device.type)
+        if key not in _checked:
+            _checked[key] = _self_test(kind, weight, device)
+        if not _checked[key]:
+            continue
+        try:
+            return kind(weight, device)  # type: ignore[arg-type]
+        except (RuntimeError, NotImplementedError) as err:
+            _fail(kind.name, f"{type(err).__name__}: {err}")
+            _checked[key] = False
+    return DenseKernel(weight, dtype, device)
 
 
-def _kernel_class(
-    weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
-) -> type[Int4CpuKernel] | type[Int4CudaKernel] | type[Int8Kernel] | None:
-    """None where only the reference fits: float32 activations (exactness tests), odd shapes."""
+KernelClass = (
+    type[Int4CpuKernel] | type[Int4CudaKernel] | type[Int8Kernel] | type[Int8DynamicKernel]
+)
+_DYNAMIC = {1: Int8DynamicFastKernel, 2: Int8DynamicKernel}  # by activation passes
+
+
+def _kernel_classes(
+    weight: QuantizedWeight, dtype: torch.dtype, device: torch.device, activation_passes: int
+) -> list[KernelClass]:
+    """Candidates, best first; none where only the reference fits: float32 activations
+    (exactness tests), odd shapes."""
     if dtype != torch.bfloat16:
-        return None
+        return []
     n, k = weight.shape
     if isinstance(weight, Int4Weight):
         if weight.group_size not in INT4_GROUP_SIZES or n % 16 or k % weight.group_size:
-            return None
-        return Int4CudaKernel if device.type == "cuda" else Int4CpuKernel
+            return []
+        return [Int4CudaKernel if device.type == "cuda" else Int4CpuKernel]
+    dynamic: list[KernelClass] = []
+    if activation_passes and device.type == "cpu":
+        dynamic = [_DYNAMIC[activation_passes]]
     if k % 16 or device.type not in ("cpu", "cuda"):
-        return None  # the int8 op crashes on K not a multiple of 16
-    return Int8Kernel
+        return dynamic  # the int8 op crashes on K not a multiple of 16
+    return [*dynamic, Int8Kernel]
 
 
 def _self_test(
-    kind: type[Int4CpuKernel] | type[Int4CudaKernel] | type[Int8Kernel],
+    kind: KernelClass,
     weight: QuantizedWeight,
     device: torch.device,
 ) -> bool:
@@ -182,8 +267,9 @@ def _self_test(
         return _fail(kind.name, f"{type(err).__name__}: {err}")
     want = F.linear(x.float(), rows.dequantize(torch.float32).to(device))
     err = ((got - want).norm() / want.norm().clamp(min=1e-12)).item()
-    if not err <= SELF_TEST_TOLERANCE:
-        return _fail(kind.name, f"relative error {err:.2e} > {SELF_TEST_TOLERANCE:.0e}")
+    tolerance = getattr(kind, "tolerance", SELF_TEST_TOLERANCE)
+    if not err <= tolerance:
+        return _fail(kind.name, f"relative error {err:.2e} > {tolerance:.0e}")
     return True
 
 

@@ -24,16 +24,26 @@ from engine.quant.formats import (
     same_format,
 )
 from engine.quant.gguf_weights import GgufRows
-from engine.quant.kernels import DenseKernel, Kernel, make_kernel
+from engine.quant.kernels import DenseKernel, Int8DynamicKernel, Kernel, make_kernel
 
 # "keep": quantized tensors stay as they come, float ones stay dense (GGUF files);
-# "int4" / "int8": float tensors are rounded to nearest at load.
-QuantizeMode = Literal["keep", "int4", "int8"]
+# "int4" / "int8": float tensors are rounded to nearest at load;
+# "w8a8" / "w8a8-fast": every matrix becomes int8 per row (int4 blocks re-rounded), run with
+# activations rounded to int8 per row in two passes (value and residual) or one.
+QuantizeMode = Literal["keep", "int4", "int8", "w8a8", "w8a8-fast"]
+ACTIVATION_PASSES: dict[str, int] = {"w8a8": 2, "w8a8-fast": 1}
 Shard = torch.Tensor | QuantizedWeight | GgufRows
 
 
 def to_format(value: Shard, mode: QuantizeMode) -> Shard:
-    """Float tensors rounded as `mode` says; quantized weights and GGUF rows stay as they are."""
+    """Float tensors rounded as `mode` says; quantized weights and GGUF rows stay as they are,
+    except that w8a8 re-rounds every matrix to int8."""
+    if mode in ACTIVATION_PASSES:
+        if isinstance(value, GgufRows | Int8Weight):
+            return value
+        if isinstance(value, torch.Tensor):
+            return quantize_int8(value)
+        return quantize_int8(value.dequantize(torch.float32), source=value.source)
     if not isinstance(value, torch.Tensor) or mode == "keep":
         return value
     if mode == "int4" and value.shape[1] % 32 == 0:
@@ -76,7 +86,7 @@ class QuantLinear(nn.Module):
     def _build(self, shards: list[Shard]) -> None:
         for run in _runs_of_one_format(shards):
             weight = torch.cat(run) if isinstance(run[0], torch.Tensor) else cat_rows(run)  # type: ignore[arg-type]
-            kernel = make_kernel(weight, self.dtype, self.device)
+            kernel = make_kernel(weight, self.dtype, self.device, ACTIVATION_PASSES.get(self.mode, 0))
             self.kernels.append(kernel)
             self.formats.append(format_name(weight, kernel, self.dtype))
 
@@ -123,7 +133,8 @@ class QuantEmbedding(nn.Module):
         if isinstance(value, GgufRows):  # only untied tables are left in the file
             self.format = f"{value.kind.name} rows from the file"
             return
-        self.head = make_kernel(value, self.dtype, self.device) if self.tied else None
+        passes = ACTIVATION_PASSES.get(self.mode, 0)
+        self.head = make_kernel(value, self.dtype, self.device, passes) if self.tied else None
         self.format = format_name(value, self.head, self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
@@ -202,8 +213,10 @@ def _runs_of_one_format(shards: list[Shard]) -> list[list[Shard]]:
 
 
 def format_name(weight: Shard, kernel: Kernel | None, dtype: torch.dtype) -> str:
-    """ "int4-g32", "int8", "bf16"; a quantized weight run dequantized says so."""
+    """ "int4-g32", "int8", "w8a8", "bf16"; a quantized weight run dequantized says so."""
     dense = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16")
     if isinstance(weight, torch.Tensor):
         return dense
+    if isinstance(kernel, Int8DynamicKernel):
+        return kernel.name.removesuffix("-cpu")  # int8 weights and activations
     return f"{weight.kind}->{dense}" if isinstance(kernel, DenseKernel) else weight.kind

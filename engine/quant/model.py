@@ -17,6 +17,8 @@ def quantize_mode(quantization: Quantization, from_gguf: bool) -> QuantizeMode |
     float checkpoint)."""
     if quantization == "none" or (quantization == "auto" and not from_gguf):
         return None
+    if quantization in ("w8a8", "w8a8-fast"):
+        return quantization  # any checkpoint: every matrix int8 per row, int8 activations
     if quantization == "auto" or from_gguf:
         return "keep"  # a GGUF's quantized tensors are kept as the file has them
     return quantization

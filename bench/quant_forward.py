@@ -1,15 +1,18 @@
-"""One forward of the model at M new tokens, bf16 weights against quantized ones, same process.
+"""One forward of the model at M new tokens, one runner per quantization, same process.
 
-Both runners read the same GGUF file (the bf16 one dequantizes its blocks at load, so no bf16
-conversion is needed) and alternate, so the host's load hits both alike:
+Every runner reads the same GGUF file (`none` dequantizes its blocks at load, so no bf16
+conversion is needed). Rounds alternate the runners, so the host's load hits all alike; cells are
+medians over rounds:
 
     python -m bench.quant_forward --threads 1 --rows 1,2,3,4,5,8 --prefill 512
+    python -m bench.quant_forward --threads 2 --modes auto,w8a8,w8a8-fast --rows 1,2,4,8,16
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import replace
 
@@ -45,23 +48,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", default="1,4,8", help="M: new tokens per forward")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens (0: skip)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="forwards per cell and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default="none,auto", help="quantizations to compare")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [int(m) for m in args.rows.split(",")]
-    quantized = load_model(args.model, "auto")
+    loaded = load_model(args.model, "auto")
     runners = {
-        "bf16": ModelRunner(replace(quantized, quantization="none"), "cpu", "bfloat16", 16),
-        "auto": ModelRunner(quantized, "cpu", "bfloat16", 16),
+        mode: ModelRunner(replace(loaded, quantization=mode), "cpu", "bfloat16", 16)
+        for mode in args.modes.split(",")
     }
     blocks = -(-max(_CACHED + max(rows), args.prefill) // 16) + 1
     for runner in runners.values():
         runner.allocate_kv_cache(blocks)
         forward_ms(runner, 8, 1)  # warm-up
+    times: dict[tuple[str, int], list[float]] = {(name, m): [] for name in runners for m in rows}
+    for done in range(args.rounds):
+        print(f"round {done + 1}/{args.rounds}", file=sys.stderr)
+        for m in rows:
+            for name, runner in runners.items():
+                times[name, m].append(forward_ms(runner, m, args.repeats))
     print("| weights | " + " | ".join(f"M = {m} ms" for m in rows) + " | prefill tok/s |")
     print("|---|" + "---:|" * (len(rows) + 1))
     for name, runner in runners.items():
-        cells = [f"{forward_ms(runner, m, args.repeats):.0f}" for m in rows]
+        cells = [f"{statistics.median(times[name, m]):.0f}" for m in rows]
         prefill = f"{prefill_rate(runner, args.prefill):.1f}" if args.prefill else "-"
         print(f"| {name} ({runner.weights.label}) | " + " | ".join(cells) + f" | {prefill} |")
     return 0

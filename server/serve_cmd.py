@@ -29,6 +29,8 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.y
 BUNDLED_PAIR: dict[str, Any] = {
     "model": "bundled:qwen2.5-coder-1.5b-instruct",
     "draft_model": "bundled:qwen2.5-coder-0.5b-instruct",
+    "quantization": "w8a8",
+    "draft_quantization": "w8a8-fast",
     "served_model_name": "qwen2.5-coder-1.5b-instruct",
     "speculative_method": "hybrid",
     "num_speculative_tokens": 3,

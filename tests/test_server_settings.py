@@ -163,6 +163,9 @@ def test_serve_without_a_model_serves_the_bundled_pair(monkeypatch: pytest.Monke
     assert (s.model, s.draft_model, s.speculative_method) == (
         shipped.model, shipped.draft_model, "hybrid",
     )  # fmt: skip
+    assert (s.quantization, s.draft_quantization) == (
+        shipped.quantization, shipped.draft_quantization,
+    )  # fmt: skip
     assert s.served_model_name == shipped.served_model_name
 
 

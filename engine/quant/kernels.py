@@ -3,9 +3,10 @@ packed weights are never cached on disk) and multiply per call.
 
 Every kernel computes the weights its `QuantizedWeight` describes; `DenseKernel` is the
 reference (dequantized once into the activation dtype) and the fallback. `Int8DynamicKernel`
-also rounds its activations to int8 per row (`quantization: w8a8`), for fbgemm's int8 GEMM. Which kernel a weight
-gets is decided once at load by `make_kernel`; a kernel that fails its start-up self-test or
-lacks its op falls back to `DenseKernel` with one log line per kind.
+also rounds its activations to int8 per row (`quantization: w8a8`), for fbgemm's int8 GEMM.
+Which kernel a weight gets is decided once at load by `make_kernel`; a kernel that fails its
+start-up self-test or lacks its op falls back to the next candidate (w8a8 to the weight-only
+int8 kernel), then to `DenseKernel`, with one log line per kind.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class Int8DynamicKernel:
             q = torch._make_per_channel_quantized_tensor(weight.q, scale, zeros, 0)
         self.packed = torch.ops.quantized.linear_prepack(q, None)
         self.row_sums = weight.dequantize(torch.float32).sum(1)  # [N]: W 1
-        self.q = weight.q  # kept for tensors(); the packed copy is fbgemm's own
+        n, k = weight.shape
+        self.packed_bytes = n * k + 8 * n  # fbgemm's own copy: int8 values, a scale per row
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] float32
         x = x.float()
@@ -143,8 +145,8 @@ class Int8DynamicKernel:
         out = torch.addcmul((offset + offset_res) * self.row_sums, step, y[:m])  # [M, N]
         return out.addcmul_(step_res, y[m:])
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.q, self.row_sums]
+    def tensors(self) -> list[torch.Tensor]:  # the packed weight is not a tensor: packed_bytes
+        return [self.row_sums]
 
 
 class Int8DynamicFastKernel(Int8DynamicKernel):

@@ -84,9 +84,10 @@ class QuantLinear(nn.Module):
             self._shards = {}
 
     def _build(self, shards: list[Shard]) -> None:
+        passes = ACTIVATION_PASSES.get(self.mode, 0)
         for run in _runs_of_one_format(shards):
             weight = torch.cat(run) if isinstance(run[0], torch.Tensor) else cat_rows(run)  # type: ignore[arg-type]
-            kernel = make_kernel(weight, self.dtype, self.device, ACTIVATION_PASSES.get(self.mode, 0))
+            kernel = make_kernel(weight, self.dtype, self.device, passes)
             self.kernels.append(kernel)
             self.formats.append(format_name(weight, kernel, self.dtype))
 

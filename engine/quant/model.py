@@ -63,8 +63,10 @@ def summarize(model: nn.Module) -> WeightSummary:
         if isinstance(module, QuantLinear):
             for fmt, kernel in zip(module.formats, module.kernels, strict=True):
                 add(fmt, kernel.tensors())
+                by_format[fmt] += getattr(kernel, "packed_bytes", 0)  # held outside torch
         elif isinstance(module, QuantEmbedding):
             add(module.format, module.tensors())
+            by_format[module.format] += getattr(module.head, "packed_bytes", 0)
     for param in model.parameters():
         if param.dim() == 2:  # matrices name a format; norms and biases do not
             add(str(param.dtype).removeprefix("torch.").replace("bfloat16", "bf16"), [param])

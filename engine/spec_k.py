@@ -37,7 +37,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations of the global acceptance behind a fres
 GLOBAL_PRIOR_RATE = 0.6
 GLOBAL_PRIOR_WEIGHT = 4.0
 # Until a proposer has been verified this often over all requests, it is planned as if its drafts
-# were accepted at OPTIMISTIC_RATE (and the draft model's catch-up is not priced): the engine must
+# were accepted at OPTIMISTIC_RATE (its catch-ups priced at that rate too): the engine must
 # see a proposer at work on this traffic before it can judge whether it pays, and a plan made from
 # a pessimistic guess would never try it.
 EXPLORE_DRAFTS = 8
@@ -305,14 +305,18 @@ class SpecPlanner:
     def _catch_up_pays(
         self, gains: list[float], lag: int, remaining: int, batch_rows: int, batch_size: int
     ) -> bool:
-        """Do the seconds the drafts should save over the rest of the request outweigh the draft
-        model computing `lag` tokens first, a wait every request in the step shares? (Always yes
-        while the draft's acceptance is unknown.)"""
-        if lag <= FREE_CATCH_UP or self.verified["draft"] < EXPLORE_DRAFTS:
+        """Does the batch time the drafts should save over the rest of the request outweigh the
+        draft model computing `lag` tokens first, a wait the whole step shares?
+
+        Each drafting step gives this request sum(gains) more tokens, worth that many of the
+        batch's per-token share of a plain step, and makes the step dearer for everyone by the
+        extra verify rows and draft forwards. (While the draft is being explored the gains are
+        the optimistic ones: a catch-up that would not pay even then is never run.)"""
+        if lag <= FREE_CATCH_UP:
             return True
         target, draft, k = self.costs.target, self.costs.draft, len(gains)
         plain_step = target.seconds(batch_rows)
-        draft_step = target.seconds(batch_rows + k) + draft.seconds(FED_BACK)
-        draft_step += (k - 1) * draft.seconds(1) + k * self.costs.draft_overhead
-        saved_per_token = plain_step - draft_step / (1.0 + sum(gains))
-        return remaining * saved_per_token > batch_size * draft.seconds(lag)
+        extra = target.seconds(batch_rows + k) - plain_step + draft.seconds(FED_BACK)
+        extra += (k - 1) * draft.seconds(1) + k * self.costs.draft_overhead
+        saved_per_step = sum(gains) * plain_step / batch_size - extra
+        return remaining / (1.0 + sum(gains)) * saved_per_step > draft.seconds(lag)

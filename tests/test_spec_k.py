@@ -138,16 +138,23 @@ def _planner() -> SpecPlanner:
 def test_draft_catches_up_only_where_the_rest_of_the_request_pays_for_it() -> None:
     planner = _planner()
     gains = [0.9, 0.8, 0.7]
-    # Before the draft was seen at work on this traffic, it explores: catch-up is not priced yet.
-    assert planner._catch_up_pays(gains, lag=300, remaining=64, batch_rows=1, batch_size=1)
     state = RequestSpecState()
     for _ in range(EXPLORE_DRAFTS):
         planner.observe(state, "draft", 3, 3)
     # A step saves (1 - 1.6 / 3.4) of a 1 s step per token; catching up on 300 tokens costs 30 s.
     assert not planner._catch_up_pays(gains, lag=300, remaining=40, batch_rows=1, batch_size=1)
     assert planner._catch_up_pays(gains, lag=300, remaining=100, batch_rows=1, batch_size=1)
-    # In a batch of four every request waits for the catch-up.
+    # In a batch of four every request waits for the catch-up, and a drafting step gives this
+    # request 2.4 tokens worth a quarter of a step each (0.6 s) for 1.4 s more a step (a second
+    # tile and the draft's forwards): no length of request pays for it.
     assert not planner._catch_up_pays(gains, lag=300, remaining=100, batch_rows=4, batch_size=4)
+    assert not planner._catch_up_pays(gains, lag=300, remaining=10**6, batch_rows=4, batch_size=4)
+    # Two requests, two drafts that fill their tile: 1.7 tokens worth half a step each for 0.3 s
+    # of draft forwards; 200 tokens left save 200 / 2.7 * 0.55 = 41 s, more than the 30 s.
+    assert planner._catch_up_pays([0.9, 0.8], lag=300, remaining=200, batch_rows=2, batch_size=2)
+    assert not planner._catch_up_pays(
+        [0.9, 0.8], lag=300, remaining=100, batch_rows=2, batch_size=2
+    )
     assert planner._catch_up_pays(gains, lag=2, remaining=4, batch_rows=1, batch_size=1)
 
 

@@ -104,8 +104,8 @@ class Int4CudaKernel:
 class Int8DynamicKernel:
     """fbgemm's int8 x int8 GEMM (`quantized::linear_dynamic`) on activations rounded per row.
 
-    On CPUs without a native int4 GEMM (AVX2) this is the fastest kernel at one row and grows
-    slowly with rows, which is what makes verifying drafts cheap (docs/BENCHMARKS.md).
+    On CPUs without a native int4 GEMM (AVX2) it costs what int4 does at one row and grows far
+    more slowly with rows, which makes verifying drafts and batching cheap (docs/BENCHMARKS.md).
 
     Batch invariance: fbgemm rounds its whole input with one scale, which would couple the rows
     of a batch. So each row is first put on a grid of its own (`_row_grid`): 128 levels across

@@ -55,9 +55,6 @@ MIN_GAIN = 1.03
 # In a step that computes prompt tokens, drafts may slow the step by at most this factor, so time
 # to first token stays the plain path's.
 FIRST_TOKEN_SLOWDOWN = 1.05
-# An n-gram match (free) is taken over the draft model (paid) unless this request's record says
-# the draft is this many times likelier to be right at the first position.
-DRAFT_OVER_MATCH = 2.0
 
 
 @dataclass
@@ -273,24 +270,44 @@ class SpecPlanner:
         batch_size: int,
         prefilling: bool,
     ) -> DraftOption | None:
-        """The request's n-gram match if it has one, else the draft model if it may run."""
+        """The request's n-gram match or the draft model, whichever gives the step more tokens
+        per second; the draft only where its catch-up (if any) pays."""
         state, seq = item.seq.spec_state, item.seq
         matched = ngram_drafts(item) if item.k_for("ngram") else 0
         ngram = self._gains(state, "ngram", matched) if matched else None
         draft = self._gains(state, "draft", item.k_for("draft")) if item.k_for("draft") else None
-        if ngram and (draft is None or DRAFT_OVER_MATCH * ngram[0][0] >= draft[0][0]):
-            return DraftOption(index, "ngram", *ngram)
-        if draft is None:
-            return None
         lag = seq.num_tokens - seq.num_draft_computed_tokens
         remaining = seq.params.max_tokens - seq.num_output_tokens
-        if lag > FREE_CATCH_UP and (
-            prefilling or not self._catch_up_pays(draft[0], lag, remaining, base_rows, batch_size)
+        if draft is not None and lag > FREE_CATCH_UP:
+            if prefilling or not self._catch_up_pays(
+                draft[0], lag, remaining, base_rows, batch_size
+            ):
+                draft = None
+        if ngram and (
+            draft is None or self._ngram_pays_more(ngram[0], draft[0], base_rows, batch_size)
         ):
+            return DraftOption(index, "ngram", *ngram)
+        if draft is None:
             return None
         gains, probe = draft
         rows = lag if lag <= FREE_CATCH_UP else FED_BACK  # a long catch-up is priced above instead
         return DraftOption(index, "draft", gains, max(1, rows), probe)
+
+    def _ngram_pays_more(
+        self, ngram: list[float], draft: list[float], base_rows: int, batch_size: int
+    ) -> bool:
+        """Expected tokens per second of the step with this request's n-gram drafts (free to
+        propose) against its draft model's (paid in draft forwards)."""
+        target = self.costs.target
+        ngram_rate = (batch_size + sum(ngram)) / target.seconds(base_rows + len(ngram))
+        draft_step = target.seconds(base_rows + len(draft)) + self._draft_seconds(len(draft))
+        return ngram_rate >= (batch_size + sum(draft)) / draft_step
+
+    def _draft_seconds(self, k: int) -> float:
+        """The draft model's forwards for k drafts of one request: the first carries the tokens fed
+        back from the last step."""
+        draft = self.costs.draft
+        return draft.seconds(FED_BACK) + (k - 1) * draft.seconds(1) + k * self.costs.draft_overhead
 
     def _gains(self, state: RequestSpecState, name: str, k: int) -> tuple[list[float], bool]:
         """This request's gains for k drafts from one proposer, or the prior's when a probe is due."""
@@ -316,7 +333,6 @@ class SpecPlanner:
             return True
         target, draft, k = self.costs.target, self.costs.draft, len(gains)
         plain_step = target.seconds(batch_rows)
-        extra = target.seconds(batch_rows + k) - plain_step + draft.seconds(FED_BACK)
-        extra += (k - 1) * draft.seconds(1) + k * self.costs.draft_overhead
+        extra = target.seconds(batch_rows + k) - plain_step + self._draft_seconds(k)
         saved_per_step = sum(gains) * plain_step / batch_size - extra
         return remaining / (1.0 + sum(gains)) * saved_per_step > draft.seconds(lag)

@@ -158,6 +158,16 @@ def test_draft_catches_up_only_where_the_rest_of_the_request_pays_for_it() -> No
     assert planner._catch_up_pays(gains, lag=2, remaining=4, batch_rows=1, batch_size=1)
 
 
+def test_an_ngram_match_is_taken_over_the_draft_only_where_it_gives_more_tokens_a_second() -> None:
+    """Tiled target (a 4-row tile per second), draft forwards 0.1 s a row: a weak match loses
+    to a sure draft model, a match about as good as the draft wins, being free."""
+    planner = _planner()
+    weak, sure_draft = [0.5, 0.3], [0.9, 0.8, 0.7]
+    # n-gram: (1 + 0.8) tokens / 1 s; draft: (1 + 2.4) / (1 s + 0.2 + 2 x 0.1) = 2.4 tokens/s
+    assert not planner._ngram_pays_more(weak, sure_draft, base_rows=1, batch_size=1)
+    assert planner._ngram_pays_more([0.9, 0.8], sure_draft, base_rows=1, batch_size=1)
+
+
 def test_planner_keeps_separate_records_per_proposer() -> None:
     planner = _planner()
     state = RequestSpecState()

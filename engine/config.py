@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 SpecMethod = Literal["none", "draft", "ngram", "hybrid"]
 # The proposers each method runs: hybrid takes an n-gram match where there is one, else the draft.
@@ -20,7 +20,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # rounded to int8 per row and run with activations rounded to int8 per row in two passes (bf16's
 # quality, fbgemm on x86 CPUs); w8a8-fast: one pass, 7-bit activations (for a draft model).
 Quantization = Literal["auto", "none", "int8", "int4", "w8a8", "w8a8-fast"]
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4", "w8a8", "w8a8-fast")
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ often while its probes keep failing, so a request whose text turns repetitive dr
 A draft model that has not seen a request's text (its prompt, or what it missed while the request
 took n-gram drafts or no drafts) must compute it first. Up to FREE_CATCH_UP tokens ride along in
 its first draft forward; beyond that the draft model runs for the request only where the steps its
-drafts are expected to save over the rest of the request outweigh the catch-up.
+drafts are expected to save over the rest of the request outweigh the catch-up. How much of the
+request is left is an estimate (`OutputLengths`), not max_tokens: a summary that ends after a few
+tokens must not pay for a catch-up on its whole prompt.
 """
 
 from __future__ import annotations
@@ -46,9 +48,8 @@ PROBE_K = 2  # drafts a request may get when it is re-probed
 PROBE_EVERY = 8  # steps without drafts before the first re-probe; doubles while probes keep losing
 MAX_PROBE_EVERY = 64
 FREE_CATCH_UP = 8  # tokens the draft model computes in its first forward without asking
-FED_BACK = (
-    2  # rows a drafting request usually adds to the draft's first forward (last draft + bonus)
-)
+FED_BACK = 2  # rows a drafting request usually adds to the draft's first forward (last + bonus)
+LENGTH_DECAY = 0.7  # per finished request: the answers' length follows the current traffic
 # Drafts are planned only where they are expected to beat plain decoding by this much: the cost model
 # leaves out small per-draft costs (verification, bookkeeping), which all lean toward drafting.
 MIN_GAIN = 1.03
@@ -203,6 +204,26 @@ def _seconds(
     return costs.target.seconds(target_rows) + draft + costs.overhead
 
 
+@dataclass
+class OutputLengths:
+    """How long answers run here: a decayed mean of finished requests' output lengths, and from it
+    how many more tokens a running request is expected to produce."""
+
+    mean: float | None = None
+
+    def observe(self, length: int) -> None:
+        seen = self.mean if self.mean is not None else float(length)
+        self.mean = LENGTH_DECAY * seen + (1 - LENGTH_DECAY) * length
+
+    def remaining(self, produced: int, max_tokens: int) -> float:
+        """Tokens left: what the typical answer has left, but at least as many as the request has
+        produced (one that outlives the typical answer is likely a long one), within max_tokens."""
+        left = float(max_tokens - produced)
+        if self.mean is None:
+            return left
+        return min(left, max(self.mean - produced, float(produced)))
+
+
 class SpecPlanner:
     """Turns each scheduled request's draft ceilings into this step's drafts (`plan`), and keeps the
     acceptance records the plans are made from (`observe`)."""
@@ -212,6 +233,7 @@ class SpecPlanner:
         self.costs = costs
         self.priors = {name: AcceptanceEstimate() for name in proposers}
         self.verified = dict.fromkeys(proposers, 0)  # draft steps verified so far, per proposer
+        self.lengths = OutputLengths()
 
     def plan(self, batch: list[ScheduledSeq], ngram_drafts: Callable[[ScheduledSeq], int]) -> None:
         """Cut each adaptive request's spec_k ceilings down to the step's best plan.
@@ -261,6 +283,10 @@ class SpecPlanner:
         self.priors[proposer].observe(drafted, accepted, decay=0.99)
         self.verified[proposer] += 1
 
+    def finished(self, num_output_tokens: int) -> None:
+        """A request ended by a stop or its length limit (not by an abort)."""
+        self.lengths.observe(num_output_tokens)
+
     def _option(
         self,
         index: int,
@@ -277,7 +303,7 @@ class SpecPlanner:
         ngram = self._gains(state, "ngram", matched) if matched else None
         draft = self._gains(state, "draft", item.k_for("draft")) if item.k_for("draft") else None
         lag = seq.num_tokens - seq.num_draft_computed_tokens
-        remaining = seq.params.max_tokens - seq.num_output_tokens
+        remaining = self.lengths.remaining(seq.num_output_tokens, seq.params.max_tokens)
         if draft is not None and lag > FREE_CATCH_UP:
             if prefilling or not self._catch_up_pays(
                 draft[0], lag, remaining, base_rows, batch_size
@@ -320,7 +346,7 @@ class SpecPlanner:
         return reach(track.acceptance.rates(k, pooled)), False
 
     def _catch_up_pays(
-        self, gains: list[float], lag: int, remaining: int, batch_rows: int, batch_size: int
+        self, gains: list[float], lag: int, remaining: float, batch_rows: int, batch_size: int
     ) -> bool:
         """Does the batch time the drafts should save over the rest of the request outweigh the
         draft model computing `lag` tokens first, a wait the whole step shares?

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+from engine.outputs import RequestTimes
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 from engine.spec_k import (
     EXPLORE_DRAFTS,
     MAX_PROBE_EVERY,
     PROBE_EVERY,
     AcceptanceEstimate,
     DraftOption,
+    OutputLengths,
     ProposerTrack,
     RequestSpecState,
     SpecPlanner,
@@ -156,6 +161,44 @@ def test_draft_catches_up_only_where_the_rest_of_the_request_pays_for_it() -> No
         [0.9, 0.8], lag=300, remaining=100, batch_rows=2, batch_size=2
     )
     assert planner._catch_up_pays(gains, lag=2, remaining=4, batch_rows=1, batch_size=1)
+
+
+def test_remaining_length_follows_finished_answers_and_grows_with_a_long_one() -> None:
+    lengths = OutputLengths()
+    assert lengths.remaining(produced=1, max_tokens=64) == 63  # nothing finished yet: max_tokens
+    for _ in range(10):
+        lengths.observe(4)  # short answers (summaries)
+    assert lengths.remaining(produced=1, max_tokens=64) == pytest.approx(3, abs=0.1)
+    assert lengths.remaining(produced=20, max_tokens=64) == 20  # outlived them: a long one
+    assert lengths.remaining(produced=60, max_tokens=64) == 4  # never past max_tokens
+    for _ in range(10):
+        lengths.observe(64)
+    assert lengths.remaining(produced=1, max_tokens=64) > 60
+
+
+def test_a_short_answer_does_not_pay_for_a_catch_up_on_its_prompt() -> None:
+    """The catch-up is priced on the tokens the request is expected to have left: after a run of
+    short answers a fresh request with a long prompt keeps to plain steps; once it has produced
+    as many tokens as the lag's price needs, it catches up."""
+    planner = _planner()
+    for _ in range(10):
+        planner.finished(3)
+    seq = Sequence(
+        request_id="r",
+        prompt_token_ids=list(range(300)),
+        params=SamplingParams(max_tokens=400, temperature=0.0),
+        times=RequestTimes(arrival=0.0),
+        detokenizer=None,  # type: ignore[arg-type]
+        generator=None,
+        num_speculative_tokens=3,
+    )
+    seq.num_computed_tokens = seq.num_tokens - 1
+    item = ScheduledSeq(seq, 1, 3, {"draft": 3})
+    assert planner._option(0, item, lambda _: 0, 1, 1, prefilling=False) is None
+    seq.token_ids.extend(range(150))
+    seq.num_computed_tokens = seq.num_tokens - 1
+    option = planner._option(0, item, lambda _: 0, 1, 1, prefilling=False)
+    assert option is not None and option.proposer == "draft"
 
 
 def test_an_ngram_match_is_taken_over_the_draft_only_where_it_gives_more_tokens_a_second() -> None:

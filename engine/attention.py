@@ -15,6 +15,7 @@ layer for K and for V, so one gather gives contiguous `[kv_heads, batch, len, he
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -222,21 +223,38 @@ def _short_attention(
     """Eager attention, the query heads of each KV head stacked as rows: two batched matmuls.
 
     Scores and probabilities round to the model dtype as in transformers' eager attention;
-    the softmax runs in float32.
+    the softmax runs in float32. Where the CPU has no native bf16/fp16 matmul (AVX2), the
+    matmuls run in float32 (5-10x faster there) and round at the same points, so the result
+    does not depend on the host.
     """
     batch, num_q, num_heads, dim = q.shape
     kv_heads = keys.shape[0]
     group = num_heads // kv_heads  # query head h reads KV head h // group
     rows = q.view(batch, num_q, kv_heads, group, dim).permute(2, 0, 3, 1, 4)
     rows = rows.reshape(kv_heads, batch, group * num_q, dim)
-    scores = torch.matmul(rows, keys.transpose(-1, -2)).float() * scale  # [kvh, B, G*Q, L]
+    mm = _matmul_dtype(q)
+    scores = torch.matmul(rows.to(mm), keys.to(mm).transpose(-1, -2))  # [kvh, B, G*Q, L]
+    scores = scores.to(q.dtype).float() * scale
     scores = scores.view(kv_heads, batch, group, num_q, -1)
     if bias is not None:
         scores = scores + bias[None]
     probs = scores.softmax(-1).to(q.dtype).view(kv_heads, batch, group * num_q, -1)
-    out = torch.matmul(probs, values)  # [kvh, B, G*Q, dim]
+    out = torch.matmul(probs.to(mm), values.to(mm)).to(q.dtype)  # [kvh, B, G*Q, dim]
     out = out.view(kv_heads, batch, group, num_q, dim).permute(1, 3, 0, 2, 4)
     return out.reshape(batch, num_q, num_heads, dim)
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the attention matmuls run in: x's own, except half precision on a CPU without
+    native half-precision dot products, where float32 is the fast one."""
+    if x.dtype == torch.float32 or x.device.type != "cpu" or _cpu_has_half_matmul():
+        return x.dtype
+    return torch.float32
+
+
+@functools.cache
+def _cpu_has_half_matmul() -> bool:
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def _pad_queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

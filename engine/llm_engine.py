@@ -156,7 +156,7 @@ class LLMEngine:
         """The runner's forwards this step, fed to its cost curve: seconds of each."""
         times = runner.take_timings() if runner is not None else []
         for rows, seconds in times:
-            curve.observe(rows, seconds)
+            curve.track(rows, seconds)
         return [seconds for _, seconds in times]
 
     def _ngram_drafts(self, item: ScheduledSeq) -> int:

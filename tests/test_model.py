@@ -10,6 +10,7 @@ import torch
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM, GPT2Config
 
+from engine import attention
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import ForwardInput, ModelRunner
 
@@ -188,6 +189,26 @@ def test_half_precision_as_accurate_as_transformers(tiny_model_dir: Path, dtype:
     ours_err = (ours - gold).abs().max().item()
     theirs_err = (half - gold).abs().max().item()
     assert ours_err <= 1.5 * theirs_err + 1e-3, (ours_err, theirs_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_short_attention_rounds_alike_in_float32_and_half_matmuls(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """On a CPU without native half-precision matmuls the short-query attention multiplies in
+    float32, rounding scores and probabilities at the same points as the half-precision path:
+    the two agree to within two units in the last place, whichever the host runs."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 6, 32, generator=gen).to(dtype)  # [B, Q, heads, dim]
+    keys = torch.randn(2, 3, 40, 32, generator=gen).to(dtype)  # [kv_heads, B, L, dim]
+    values = torch.randn(2, 3, 40, 32, generator=gen).to(dtype)
+    outs = {}
+    for native in (True, False):
+        monkeypatch.setattr(attention, "_cpu_has_half_matmul", lambda native=native: native)
+        outs[native] = attention._short_attention(q, keys, values, None, 32**-0.5)
+    assert outs[False].dtype == dtype
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    torch.testing.assert_close(outs[True], outs[False], rtol=2 * ulp, atol=2 * ulp)
 
 
 def _reference_logits(path: Path, ids: list[int], dtype: torch.dtype) -> torch.Tensor:

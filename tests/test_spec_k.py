@@ -135,6 +135,19 @@ def test_cost_curve_interpolates_and_extends() -> None:
     assert calibration_rows(20)[:16] == list(range(1, 17)) and calibration_rows(20)[-1] == 16
 
 
+def test_real_forwards_move_the_curves_level_not_the_point_they_hit() -> None:
+    """Steps of many requests with long contexts cost more than calibration's short ones: they
+    scale the whole curve, so the rows next to the one they hit do not start to look free."""
+    curve = tiled(max_rows=32)  # 1..4 rows 1 s, 5..8 rows 2 s, ...
+    for _ in range(30):
+        curve.track(16, 6.0)  # 16 rows calibrated at 4 s run at 6 s
+    assert curve.seconds(16) == pytest.approx(6.0, rel=1e-3)
+    assert curve.seconds(20) - curve.seconds(16) == pytest.approx(1.5, rel=1e-3)  # one more tile
+    assert curve.seconds(4) == pytest.approx(1.5, rel=1e-3)
+    curve.track(500, 1000.0)  # a long prompt chunk, beyond the measured rows: another shape
+    assert curve.seconds(16) == pytest.approx(6.0, rel=1e-3)
+
+
 def _planner() -> SpecPlanner:
     planner = SpecPlanner(("ngram", "draft"), costs(draft_per_row=0.1))
     return planner

@@ -97,13 +97,16 @@ class Rotary:
         positions = torch.arange(_rope_table_len(config), dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)
+        signs = torch.cat((-torch.ones_like(freqs), torch.ones_like(freqs)), dim=-1)
         self.cos = (emb.cos() * scaling).to(device)  # [max_positions, head_dim]
-        self.sin = (emb.sin() * scaling).to(device)
+        # sin with its first half negated: rotate_half(x) * sin == x.roll(half) * signed_sin
+        self.signed_sin = (emb.sin() * scaling * signs).to(device)
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, 1, head_dim]
-        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, 1, head_dim]: cos, signed sin
+        cos, sin = self.cos[positions].to(dtype), self.signed_sin[positions].to(dtype)
+        return cos[:, None], sin[:, None]
 
 
 def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -124,11 +127,11 @@ def _rope_table_len(config: PretrainedConfig) -> int:
 def apply_rope(
     x: torch.Tensor,  # [num_tokens, heads, head_dim]
     cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-    sin: torch.Tensor,
+    signed_sin: torch.Tensor,  # [num_tokens, 1, head_dim]: sin, its first half negated
 ) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) taken as a roll of x
+    times the sign folded into the table: the same products, four ops instead of seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -150,13 +153,13 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         s = self.shape
-        q, k, v = self.qkv_proj(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        q = q.view(-1, s.num_heads, s.head_dim)
-        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        qk, v = self.qkv_proj(x).split([s.q_size + s.kv_size, s.kv_size], dim=-1)
+        qk = qk.view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        q, k = apply_rope(qk, *rope).split([s.num_heads, s.num_kv_heads], dim=1)  # one rotation
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out)
 

@@ -9,7 +9,9 @@ share one group, each long query gets its own.
 
 Long queries go through SDPA. Short ones use eager attention (two batched matmuls, the query
 heads of a KV head stacked as rows): CPU SDPA kernels are 10-40x slower for a batch of
-one-token queries. The pool is head-major, `[kv_heads, num_blocks, block_size, head_dim]` per
+one-token queries. On a CPU without native bf16 dot products (AVX2) those matmuls run in
+float32, 5-10x faster there than bf16 (16 decodes at 300 tokens of context: a 1.5B step
+1131 -> 630 ms). The pool is head-major, `[kv_heads, num_blocks, block_size, head_dim]` per
 layer for K and for V, so one gather gives contiguous `[kv_heads, batch, len, head_dim]` keys.
 """
 

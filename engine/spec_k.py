@@ -211,7 +211,14 @@ class OutputLengths:
 
     mean: float | None = None
 
-    def observe(self, length: int) -> None:
+    def observe(self, length: int, capped: bool = False) -> None:
+        """One finished answer. A `capped` one (stopped by its max_tokens) only says the answer
+        would have run at least that long: it counts at no less than the mean, so a priming
+        request with max_tokens = 1 does not make every answer look short."""
+        if capped:
+            if self.mean is None:
+                return
+            length = max(length, round(self.mean))
         seen = self.mean if self.mean is not None else float(length)
         self.mean = LENGTH_DECAY * seen + (1 - LENGTH_DECAY) * length
 
@@ -283,9 +290,9 @@ class SpecPlanner:
         self.priors[proposer].observe(drafted, accepted, decay=0.99)
         self.verified[proposer] += 1
 
-    def finished(self, num_output_tokens: int) -> None:
-        """A request ended by a stop or its length limit (not by an abort)."""
-        self.lengths.observe(num_output_tokens)
+    def finished(self, num_output_tokens: int, capped: bool) -> None:
+        """A request ended by a stop, or by its length limit (`capped`); not by an abort."""
+        self.lengths.observe(num_output_tokens, capped)
 
     def _option(
         self,

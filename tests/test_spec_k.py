@@ -185,8 +185,14 @@ def test_remaining_length_follows_finished_answers_and_grows_with_a_long_one() -
     assert lengths.remaining(produced=20, max_tokens=64) == 20  # outlived them: a long one
     assert lengths.remaining(produced=60, max_tokens=64) == 4  # never past max_tokens
     for _ in range(10):
-        lengths.observe(64)
+        lengths.observe(64, capped=True)  # long answers cut at max_tokens
     assert lengths.remaining(produced=1, max_tokens=64) > 60
+    for _ in range(10):
+        lengths.observe(1, capped=True)  # priming requests (max_tokens = 1) say nothing of length
+    assert lengths.remaining(produced=1, max_tokens=64) > 60
+    fresh = OutputLengths()
+    fresh.observe(1, capped=True)
+    assert fresh.mean is None
 
 
 def test_a_short_answer_does_not_pay_for_a_catch_up_on_its_prompt() -> None:
@@ -195,7 +201,7 @@ def test_a_short_answer_does_not_pay_for_a_catch_up_on_its_prompt() -> None:
     as many tokens as the lag's price needs, it catches up."""
     planner = _planner()
     for _ in range(10):
-        planner.finished(3)
+        planner.finished(3, capped=False)
     seq = Sequence(
         request_id="r",
         prompt_token_ids=list(range(300)),

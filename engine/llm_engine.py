@@ -165,13 +165,25 @@ class LLMEngine:
         return len(ngram.propose_one(item).token_ids) if ngram is not None else 0
 
     def _calibrate(self, num_blocks: int) -> None:
-        """Measure each model's step cost against its rows before any request runs."""
+        """Measure each model's step cost against its rows before any request runs: the target up
+        to the rows of a full drafting step, the draft also up to a step's token budget, the size
+        of its catch-ups on prompts, as prompt forwards (one logit): extrapolated from decode
+        rows, each with its logits, a catch-up was priced at twice its cost."""
         k = self.config.speculative.num_speculative_tokens
-        max_rows = self.config.max_num_seqs * (k + 1)
-        log.info("measuring step costs (target and draft forwards at 1..%d rows)", max_rows)
-        for runner, curve in ((self.target, self.costs.target), (self.draft, self.costs.draft)):
+        step_rows = self.config.max_num_seqs * (k + 1)
+        catch_up_rows = max(step_rows, self.config.max_num_batched_tokens)
+        log.info(
+            "measuring step costs (target forwards at 1..%d rows, draft at 1..%d)",
+            step_rows,
+            catch_up_rows,
+        )
+        for runner, curve, max_rows in (
+            (self.target, self.costs.target, step_rows),
+            (self.draft, self.costs.draft, catch_up_rows),
+        ):
             if runner is not None:
-                calibrate(curve, runner, calibration_rows(max_rows), num_blocks)
+                rows = calibration_rows(max_rows)
+                calibrate(curve, runner, rows, num_blocks, prompt_rows_from=step_rows + 1)
                 runner.timings = []
 
     def generate(

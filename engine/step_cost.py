@@ -38,6 +38,10 @@ class CostCurve:
         self._rows: list[int] = []  # sorted keys of points
         self._cost: list[float] = []  # per key: min of its mean and every larger key's
         self.scale = 1.0  # real forwards' time over the measured shape's (running mean)
+        # From this many rows on a forward is a prompt (one logit; a draft's catch-up): measured
+        # as such, and left out of the level, which real decode steps set (their long contexts
+        # cost a 0.5B draft 40% over calibration's, a prompt forward no more than measured).
+        self.prompt_rows_from: int | None = None
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0:
@@ -54,7 +58,7 @@ class CostCurve:
     def track(self, rows: int, seconds: float) -> None:
         """A forward the engine ran: it moves the curve's level, not the point it hit. Forwards
         beyond the measured rows (long prompt chunks) have another shape and are left out."""
-        if self._rows and 0 < rows <= self._rows[-1]:
+        if self._rows and 0 < rows <= self._rows[-1] and not self._is_prompt(rows):
             ratio = seconds / max(self._shape(rows), 1e-9)
             self.scale += WEIGHT * (ratio - self.scale)
 
@@ -67,7 +71,10 @@ class CostCurve:
             return 0.0
         if not self._rows:
             return float(rows)  # nothing measured: every row a full unit, so no draft is free
-        return self.scale * self._shape(rows)
+        return self._shape(rows) * (1.0 if self._is_prompt(rows) else self.scale)
+
+    def _is_prompt(self, rows: int) -> bool:
+        return self.prompt_rows_from is not None and rows >= self.prompt_rows_from
 
     def _shape(self, rows: int) -> float:
         at = bisect.bisect_left(self._rows, rows)
@@ -110,14 +117,25 @@ class StepCosts:
 
 def calibration_rows(max_rows: int) -> list[int]:
     """Every row count up to 16 (where kernels tile), then a sparser ladder up to max_rows."""
-    ladder = [*range(1, 17), 24, 32, 48, 64, 96, 128]
+    ladder = [*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
     return [m for m in ladder if m <= max(1, max_rows)]
 
 
-def calibrate(curve: CostCurve, runner: ModelRunner, rows: list[int], num_blocks: int) -> None:
+def calibrate(
+    curve: CostCurve,
+    runner: ModelRunner,
+    rows: list[int],
+    num_blocks: int,
+    prompt_rows_from: int | None = None,
+) -> None:
     """Time one forward at each row count (after a warm-up), on scratch K/V blocks. Call before
-    any request runs: the blocks written here belong to no one yet."""
+    any request runs: the blocks written here belong to no one yet.
+
+    Each row is a token that needs its logits (decode and verify rows), except from
+    `prompt_rows_from` rows on: forwards that large are prompts, which need one (the LM head over
+    a 150k vocabulary costs a 0.5B draft as much as its layers do)."""
     block_size = runner.block_size
+    curve.prompt_rows_from = prompt_rows_from
     started = time.perf_counter()
     for i, m in enumerate([rows[-1], *rows]):
         context = _CONTEXT if -(-(_CONTEXT + m) // block_size) <= num_blocks else 0
@@ -125,7 +143,8 @@ def calibrate(curve: CostCurve, runner: ModelRunner, rows: list[int], num_blocks
         if blocks > num_blocks:
             continue
         ids = [(7 * j + 11) % runner.vocab_size for j in range(m)]
-        inputs = [ForwardInput(ids, context, list(range(blocks)), m)]
+        logits = 1 if prompt_rows_from is not None and m >= prompt_rows_from else m
+        inputs = [ForwardInput(ids, context, list(range(blocks)), logits)]
         t0 = time.perf_counter()
         runner.forward(inputs)
         if i > 0:  # the first pass warms caches and allocators up

@@ -146,6 +146,11 @@ def test_real_forwards_move_the_curves_level_not_the_point_they_hit() -> None:
     assert curve.seconds(4) == pytest.approx(1.5, rel=1e-3)
     curve.track(500, 1000.0)  # a long prompt chunk, beyond the measured rows: another shape
     assert curve.seconds(16) == pytest.approx(6.0, rel=1e-3)
+    curve.prompt_rows_from = 24  # from 24 rows on, prompt forwards: measured as they are
+    curve.track(28, 100.0)
+    assert curve.seconds(28) == pytest.approx(7.0) and curve.seconds(16) == pytest.approx(
+        6.0, rel=1e-3
+    )
 
 
 def _planner() -> SpecPlanner:

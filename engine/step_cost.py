@@ -137,7 +137,8 @@ def calibrate(
     block_size = runner.block_size
     curve.prompt_rows_from = prompt_rows_from
     started = time.perf_counter()
-    for i, m in enumerate([rows[-1], *rows]):
+    warm_up = max(m for m in rows if prompt_rows_from is None or m < prompt_rows_from)
+    for i, m in enumerate([warm_up, *rows]):
         context = _CONTEXT if -(-(_CONTEXT + m) // block_size) <= num_blocks else 0
         blocks = -(-(context + m) // block_size)
         if blocks > num_blocks:

@@ -256,7 +256,8 @@ def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
 
 @functools.cache
 def _cpu_has_half_matmul() -> bool:
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private: may go away
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def _pad_queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,2,4", help="rows per request: 1 = decode, k + 1 = verify")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+    if attention._cpu_has_half_matmul():
         print("note: this CPU has native bf16; the engine keeps bf16 matmuls here", file=sys.stderr)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, args.quantization)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.datasets import Prompt, load_category
+from engine.config import QUANTIZATIONS
 from engine.loader import LoadedModel, cache_root, load_model
 from engine.model_runner import ForwardInput, ModelRunner
 
@@ -94,9 +95,8 @@ def reference_scores(loaded: LoadedModel, seqs: list[list[int]]) -> Scored:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="bundled:qwen2.5-coder-1.5b-instruct", help="a .gguf model")
-    ap.add_argument(
-        "--quantization", default="auto", choices=["auto", "int8", "int4", "w8a8", "w8a8-fast"]
-    )
+    choices = [q for q in QUANTIZATIONS if q != "none"]  # "none": the reference's own weights
+    ap.add_argument("--quantization", default="auto", choices=choices)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--positions", type=int, default=2000, help="next-token positions to score")
     ap.add_argument("--threads", type=int, default=None)

@@ -58,7 +58,7 @@ class CostCurve:
     def track(self, rows: int, seconds: float) -> None:
         """A forward the engine ran: it moves the curve's level, not the point it hit. Forwards
         beyond the measured rows (long prompt chunks) have another shape and are left out."""
-        if self._rows and 0 < rows <= self._rows[-1] and not self._is_prompt(rows):
+        if self._rows and 0 < rows <= self._rows[-1] and not self.is_prompt(rows):
             ratio = seconds / max(self._shape(rows), 1e-9)
             self.scale += WEIGHT * (ratio - self.scale)
 
@@ -71,9 +71,9 @@ class CostCurve:
             return 0.0
         if not self._rows:
             return float(rows)  # nothing measured: every row a full unit, so no draft is free
-        return self._shape(rows) * (1.0 if self._is_prompt(rows) else self.scale)
+        return self._shape(rows) * (1.0 if self.is_prompt(rows) else self.scale)
 
-    def _is_prompt(self, rows: int) -> bool:
+    def is_prompt(self, rows: int) -> bool:
         return self.prompt_rows_from is not None and rows >= self.prompt_rows_from
 
     def _shape(self, rows: int) -> float:
@@ -137,14 +137,14 @@ def calibrate(
     block_size = runner.block_size
     curve.prompt_rows_from = prompt_rows_from
     started = time.perf_counter()
-    warm_up = max(m for m in rows if prompt_rows_from is None or m < prompt_rows_from)
+    warm_up = max(m for m in rows if not curve.is_prompt(m))
     for i, m in enumerate([warm_up, *rows]):
         context = _CONTEXT if -(-(_CONTEXT + m) // block_size) <= num_blocks else 0
         blocks = -(-(context + m) // block_size)
         if blocks > num_blocks:
             continue
         ids = [(7 * j + 11) % runner.vocab_size for j in range(m)]
-        logits = 1 if prompt_rows_from is not None and m >= prompt_rows_from else m
+        logits = 1 if curve.is_prompt(m) else m
         inputs = [ForwardInput(ids, context, list(range(blocks)), logits)]
         t0 = time.perf_counter()
         runner.forward(inputs)

@@ -16,10 +16,8 @@ A draft model that has not seen a request's text (its prompt, or what it missed 
 took n-gram drafts or no drafts) must compute it first. Up to FREE_CATCH_UP tokens ride along in
 its first draft forward; beyond that the draft model runs for the request only where the steps its
 drafts are expected to save over the rest of the request outweigh the catch-up. How much of the
-request is left is unknown, so the catch-up is decided as a ski rental (`expected_remaining`): it
-is bought once the tokens the request has already produced would have paid for it. A summary that
-ends after a few tokens then never pays for a catch-up on its whole prompt, whatever the answers
-before it looked like, and a long answer loses at most what the catch-up costs.
+request is left is an estimate (`OutputLengths`), not max_tokens: a summary that ends after a few
+tokens must not pay for a catch-up on its whole prompt.
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ PROBE_EVERY = 8  # steps without drafts before the first re-probe; doubles while
 MAX_PROBE_EVERY = 64
 FREE_CATCH_UP = 8  # tokens the draft model computes in its first forward without asking
 FED_BACK = 2  # rows a drafting request usually adds to the draft's first forward (last + bonus)
+LENGTH_DECAY = 0.7  # per finished request: the answers' length follows the current traffic
 # Drafts are planned only where they are expected to beat plain decoding by this much: the cost model
 # leaves out small per-draft costs (verification, bookkeeping), which all lean toward drafting.
 MIN_GAIN = 1.03
@@ -205,15 +204,31 @@ def _seconds(
     return costs.target.seconds(target_rows) + draft + costs.overhead
 
 
-def expected_remaining(produced: int, max_tokens: int) -> float:
-    """Tokens a request is taken to have left when a catch-up is priced: as many as it has already
-    produced, within max_tokens. Deterministic ski rental: the catch-up is bought once what the
-    request has produced would have paid for it, which costs at most twice the best choice made
-    knowing the answer's length. A decayed mean of finished answers did better on uniform traffic
-    but bet every catch-up on the previous requests: a summary after a run of long answers paid a
-    second for a prompt catch-up and ended two tokens later (spec_grid, summarization c = 1:
-    0.27x and 0.60x of plain)."""
-    return float(min(max_tokens - produced, produced))
+@dataclass
+class OutputLengths:
+    """How long answers run here: a decayed mean of finished requests' output lengths, and from it
+    how many more tokens a running request is expected to produce."""
+
+    mean: float | None = None
+
+    def observe(self, length: int, capped: bool = False) -> None:
+        """One finished answer. A `capped` one (stopped by its max_tokens) only says the answer
+        would have run at least that long: it counts at no less than the mean, so a priming
+        request with max_tokens = 1 does not make every answer look short."""
+        if capped:
+            if self.mean is None:
+                return
+            length = max(length, round(self.mean))
+        seen = self.mean if self.mean is not None else float(length)
+        self.mean = LENGTH_DECAY * seen + (1 - LENGTH_DECAY) * length
+
+    def remaining(self, produced: int, max_tokens: int) -> float:
+        """Tokens left: what the typical answer has left, but at least as many as the request has
+        produced (one that outlives the typical answer is likely a long one), within max_tokens."""
+        left = float(max_tokens - produced)
+        if self.mean is None:
+            return left
+        return min(left, max(self.mean - produced, float(produced)))
 
 
 class SpecPlanner:
@@ -225,6 +240,7 @@ class SpecPlanner:
         self.costs = costs
         self.priors = {name: AcceptanceEstimate() for name in proposers}
         self.verified = dict.fromkeys(proposers, 0)  # draft steps verified so far, per proposer
+        self.lengths = OutputLengths()
 
     def plan(self, batch: list[ScheduledSeq], ngram_drafts: Callable[[ScheduledSeq], int]) -> None:
         """Cut each adaptive request's spec_k ceilings down to the step's best plan.
@@ -274,6 +290,10 @@ class SpecPlanner:
         self.priors[proposer].observe(drafted, accepted, decay=0.99)
         self.verified[proposer] += 1
 
+    def finished(self, num_output_tokens: int, capped: bool) -> None:
+        """A request ended by a stop, or by its length limit (`capped`); not by an abort."""
+        self.lengths.observe(num_output_tokens, capped)
+
     def _option(
         self,
         index: int,
@@ -290,7 +310,7 @@ class SpecPlanner:
         ngram = self._gains(state, "ngram", matched) if matched else None
         draft = self._gains(state, "draft", item.k_for("draft")) if item.k_for("draft") else None
         lag = seq.num_tokens - seq.num_draft_computed_tokens
-        remaining = expected_remaining(seq.num_output_tokens, seq.params.max_tokens)
+        remaining = self.lengths.remaining(seq.num_output_tokens, seq.params.max_tokens)
         if draft is not None and lag > FREE_CATCH_UP:
             if prefilling or not self._catch_up_pays(
                 draft[0], lag, remaining, base_rows, batch_size

@@ -15,10 +15,10 @@ from engine.spec_k import (
     PROBE_EVERY,
     AcceptanceEstimate,
     DraftOption,
+    OutputLengths,
     ProposerTrack,
     RequestSpecState,
     SpecPlanner,
-    expected_remaining,
     plan_step,
     reach,
 )
@@ -181,17 +181,32 @@ def test_draft_catches_up_only_where_the_rest_of_the_request_pays_for_it() -> No
     assert planner._catch_up_pays(gains, lag=2, remaining=4, batch_rows=1, batch_size=1)
 
 
-def test_a_request_is_expected_to_run_as_long_again_as_it_has_within_max_tokens() -> None:
-    assert expected_remaining(produced=1, max_tokens=64) == 1
-    assert expected_remaining(produced=20, max_tokens=64) == 20
-    assert expected_remaining(produced=60, max_tokens=64) == 4  # never past max_tokens
+def test_remaining_length_follows_finished_answers_and_grows_with_a_long_one() -> None:
+    lengths = OutputLengths()
+    assert lengths.remaining(produced=1, max_tokens=64) == 63  # nothing finished yet: max_tokens
+    for _ in range(10):
+        lengths.observe(4)  # short answers (summaries)
+    assert lengths.remaining(produced=1, max_tokens=64) == pytest.approx(3, abs=0.1)
+    assert lengths.remaining(produced=20, max_tokens=64) == 20  # outlived them: a long one
+    assert lengths.remaining(produced=60, max_tokens=64) == 4  # never past max_tokens
+    for _ in range(10):
+        lengths.observe(64, capped=True)  # long answers cut at max_tokens
+    assert lengths.remaining(produced=1, max_tokens=64) > 60
+    for _ in range(10):
+        lengths.observe(1, capped=True)  # priming requests (max_tokens = 1) say nothing of length
+    assert lengths.remaining(produced=1, max_tokens=64) > 60
+    fresh = OutputLengths()
+    fresh.observe(1, capped=True)
+    assert fresh.mean is None
 
 
 def test_a_short_answer_does_not_pay_for_a_catch_up_on_its_prompt() -> None:
-    """The catch-up is priced on the tokens the request is expected to have left: a fresh request
-    with a long prompt keeps to plain steps; once it has produced as many tokens as the lag's
-    price needs, it catches up."""
+    """The catch-up is priced on the tokens the request is expected to have left: after a run of
+    short answers a fresh request with a long prompt keeps to plain steps; once it has produced
+    as many tokens as the lag's price needs, it catches up."""
     planner = _planner()
+    for _ in range(10):
+        planner.finished(3, capped=False)
     seq = Sequence(
         request_id="r",
         prompt_token_ids=list(range(300)),

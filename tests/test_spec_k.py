@@ -186,18 +186,35 @@ def test_remaining_length_follows_finished_answers_and_grows_with_a_long_one() -
     assert lengths.remaining(produced=1, max_tokens=64) == 63  # nothing finished yet: max_tokens
     for _ in range(10):
         lengths.observe(4)  # short answers (summaries)
-    assert lengths.remaining(produced=1, max_tokens=64) == pytest.approx(3, abs=0.1)
+    assert lengths.remaining(produced=1, max_tokens=64) == 3
     assert lengths.remaining(produced=20, max_tokens=64) == 20  # outlived them: a long one
     assert lengths.remaining(produced=60, max_tokens=64) == 4  # never past max_tokens
     for _ in range(10):
         lengths.observe(64, capped=True)  # long answers cut at max_tokens
-    assert lengths.remaining(produced=1, max_tokens=64) > 60
+    assert lengths.remaining(produced=1, max_tokens=64) == 63
     for _ in range(10):
         lengths.observe(1, capped=True)  # priming requests (max_tokens = 1) say nothing of length
-    assert lengths.remaining(produced=1, max_tokens=64) > 60
+    assert lengths.remaining(produced=1, max_tokens=64) == 63
     fresh = OutputLengths()
     fresh.observe(1, capped=True)
-    assert fresh.mean is None
+    assert fresh.typical is None
+
+
+def test_two_short_answers_after_long_ones_stop_the_bet_on_length() -> None:
+    """A wrong "long" pays a whole prompt catch-up, a wrong "short" only delays drafting: two
+    short answers among the last eight make the typical answer short; seven long ones after them
+    are needed to make it long again."""
+    lengths = OutputLengths()
+    for _ in range(8):
+        lengths.observe(64)
+    lengths.observe(2)
+    assert lengths.remaining(produced=1, max_tokens=64) == 63  # one short answer: still long
+    lengths.observe(6)
+    assert lengths.remaining(produced=1, max_tokens=64) == 5
+    for n in range(7):
+        assert lengths.remaining(produced=1, max_tokens=64) < 10, n
+        lengths.observe(64, capped=True)
+    assert lengths.remaining(produced=1, max_tokens=64) == 63
 
 
 def test_a_short_answer_does_not_pay_for_a_catch_up_on_its_prompt() -> None:

@@ -8,7 +8,8 @@ no mode pays a model load or sees another machine: `plain` (no drafts), `adaptiv
 ceiling k from the config) and one fixed mode per proposer and k (that many drafts every step, no
 planning). A round is `concurrency` prompts started together; each round runs every mode back to
 back, in an order that reverses every round, and each prompt is first put in the target's prefix
-cache so that no mode measures a prefill another skipped. Cells report each mode's output tokens
+cache so that no mode measures a prefill another skipped. Every mode's answers reach the planner's
+answer-length window, as every answer does in a server. Cells report each mode's output tokens
 per second over plain's, the median over rounds (greedy, so every mode emits the same tokens).
 This is an engine-level companion to `specserve bench` (no HTTP, no streaming): it answers
 "which configuration would have been best here" at a cost a 2-core machine can pay.
@@ -31,6 +32,7 @@ from engine.llm_engine import LLMEngine
 from engine.proposers import HybridProposer, Proposer
 from engine.proposers.forced import ForcedDraftProposer
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 from engine.spec_k import SpecPlanner
 
 
@@ -68,6 +70,14 @@ class Switch:
         self.engine.planner = self.engine.scheduler.planner = planner
         self.engine.proposer = ForcedDraftProposer(self.proposers[mode.proposer])
 
+    def observe_lengths(self, seqs: list[Sequence], mode: Mode) -> None:
+        """A server's planner sees every answer finish, plain or not: so does the grid's (the
+        adaptive mode's answers it saw itself)."""
+        if self.planner is None or mode.adaptive:
+            return
+        for seq in seqs:
+            self.planner.finished(seq.num_output_tokens, capped=seq.finish_reason == "length")
+
 
 def token_ids(engine: LLMEngine, prompt: Prompt) -> list[int]:
     tok = engine.tokenizer
@@ -79,11 +89,17 @@ def token_ids(engine: LLMEngine, prompt: Prompt) -> list[int]:
     return list(tok.encode(str(text), add_special_tokens=False))
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], k: int, max_tokens: int) -> float:
+@dataclass(frozen=True)
+class Run:
+    finished: list[Sequence]
+    tokens_per_s: float
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], k: int, max_tokens: int) -> Run:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=k)
     started = time.perf_counter()
     seqs = engine.generate(prompts, params)
-    return sum(seq.num_output_tokens for seq in seqs) / (time.perf_counter() - started)
+    return Run(seqs, sum(seq.num_output_tokens for seq in seqs) / (time.perf_counter() - started))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +166,9 @@ def measure(
         for mode in modes if r % 2 == 0 else modes[::-1]:
             bar.set_postfix_str(f"{category} c={c} {mode.name}")
             switch.set(mode)
-            speeds[mode.name] = run(engine, batch[start : start + c], mode.k, max_tokens)
+            seqs = run(engine, batch[start : start + c], mode.k, max_tokens)
+            speeds[mode.name] = seqs.tokens_per_s
+            switch.observe_lengths(seqs.finished, mode)
             bar.update(1)
         for name, speed in speeds.items():
             ratios[name].append(speed / speeds["plain"])

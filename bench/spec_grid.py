@@ -166,9 +166,9 @@ def measure(
         for mode in modes if r % 2 == 0 else modes[::-1]:
             bar.set_postfix_str(f"{category} c={c} {mode.name}")
             switch.set(mode)
-            seqs = run(engine, batch[start : start + c], mode.k, max_tokens)
-            speeds[mode.name] = seqs.tokens_per_s
-            switch.observe_lengths(seqs.finished, mode)
+            done = run(engine, batch[start : start + c], mode.k, max_tokens)
+            speeds[mode.name] = done.tokens_per_s
+            switch.observe_lengths(done.finished, mode)
             bar.update(1)
         for name, speed in speeds.items():
             ratios[name].append(speed / speeds["plain"])

@@ -119,13 +119,14 @@ def test_w8a8_rows_are_bit_identical_in_any_batch(kind: type[Int8DynamicKernel])
     activations a row must not see its neighbours, or greedy speculation would drift. The
     target's kernel holds this down to a row alone; the draft's rounds a lone row on fbgemm's
     own grid, close to but not the batch's."""
-    kernel = kind(quantize_int8(_weight()), CPU)
+    weight = quantize_int8(_weight())
+    kernel = kind(weight, CPU)
     x = _outlier_rows(12)
     x[3] *= 1000  # one row far larger than the rest would set fbgemm's scale for all
     batch = kernel(x)
     for m in (2, 5, 8, 9):
         assert torch.equal(kernel(x[:m]), batch[:m])
-    want = F.linear(x.float(), quantize_int8(_weight()).dequantize())
+    want = F.linear(x.float(), weight.dequantize())
     for i in range(12):
         alone = kernel(x[i : i + 1])[0]
         if kind is Int8DynamicKernel:

@@ -94,6 +94,12 @@ class Run:
     finished: list[Sequence]
     tokens_per_s: float
 
+    @property
+    def drafts(self) -> tuple[int, int]:
+        """(drafted, accepted) tokens over the run's requests."""
+        spec = [seq.spec for seq in self.finished]
+        return sum(s.num_draft_tokens for s in spec), sum(s.num_accepted_tokens for s in spec)
+
 
 def run(engine: LLMEngine, prompts: list[list[int]], k: int, max_tokens: int) -> Run:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=k)
@@ -138,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"priming {category}")
             engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=1))
             for c in loads:
-                rates = measure(engine, switch, modes, ids, c, args.max_tokens, bar, category)
-                rows += cell_rows(category, c, rates)
+                rates, drafts = measure(
+                    engine, switch, modes, ids, c, args.max_tokens, bar, category
+                )
+                rows += cell_rows(category, c, rates, drafts)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grid.json").write_text(json.dumps(rows, indent=1))
     (args.out / "grid.md").write_text(table(rows, [m.name for m in modes], loads))
@@ -156,11 +164,12 @@ def measure(
     max_tokens: int,
     bar: tqdm,
     category: str,
-) -> dict[str, list[float]]:
-    """mode -> its tok/s over plain's, one per round."""
+) -> tuple[dict[str, list[float]], dict[str, tuple[int, int]]]:
+    """mode -> its tok/s over plain's, one per round; and mode -> (drafted, accepted) tokens."""
     total = -(-max(len(ids), c) // c) * c
     batch = [ids[i % len(ids)] for i in range(total)]
     ratios: dict[str, list[float]] = {m.name: [] for m in modes}
+    drafts = dict.fromkeys(ratios, (0, 0))
     for r, start in enumerate(range(0, total, c)):
         speeds = {}
         for mode in modes if r % 2 == 0 else modes[::-1]:
@@ -168,14 +177,18 @@ def measure(
             switch.set(mode)
             done = run(engine, batch[start : start + c], mode.k, max_tokens)
             speeds[mode.name] = done.tokens_per_s
+            drafted, accepted = drafts[mode.name]
+            drafts[mode.name] = (drafted + done.drafts[0], accepted + done.drafts[1])
             switch.observe_lengths(done.finished, mode)
             bar.update(1)
         for name, speed in speeds.items():
             ratios[name].append(speed / speeds["plain"])
-    return ratios
+    return ratios, drafts
 
 
-def cell_rows(category: str, c: int, ratios: dict[str, list[float]]) -> list[dict[str, object]]:
+def cell_rows(
+    category: str, c: int, ratios: dict[str, list[float]], drafts: dict[str, tuple[int, int]]
+) -> list[dict[str, object]]:
     return [
         {
             "category": category,
@@ -183,13 +196,16 @@ def cell_rows(category: str, c: int, ratios: dict[str, list[float]]) -> list[dic
             "mode": m,
             "speedup": statistics.median(r),
             "rounds": r,
+            "drafted": drafts[m][0],
+            "accepted": drafts[m][1],
         }
         for m, r in ratios.items()
     ]
 
 
 def table(rows: list[dict[str, object]], modes: list[str], loads: list[int]) -> str:
-    cells = {(r["category"], r["concurrency"], r["mode"]): r["speedup"] for r in rows}
+    """Speedup over plain per mode; in brackets, the share of drafted tokens accepted."""
+    cells = {(r["category"], r["concurrency"], r["mode"]): r for r in rows}
     categories = list(dict.fromkeys(str(r["category"]) for r in rows))
     lines = [
         "| category | c | " + " | ".join(modes) + " | adaptive ÷ best fixed |",
@@ -197,12 +213,19 @@ def table(rows: list[dict[str, object]], modes: list[str], loads: list[int]) -> 
     ]
     for category in categories:
         for c in loads:
-            speed = {m: float(cells[(category, c, m)]) for m in modes}  # type: ignore[arg-type]
+            row = {m: cells[(category, c, m)] for m in modes}
+            speed = {m: float(r["speedup"]) for m, r in row.items()}  # type: ignore[arg-type]
             fixed = [v for m, v in speed.items() if m not in ("plain", "adaptive")]
             best = max(fixed, default=1.0)
-            marks = " | ".join(f"{speed[m]:.2f}" for m in modes)
+            marks = " | ".join(_cell(row[m]) for m in modes)
             lines.append(f"| {category} | {c} | {marks} | {speed['adaptive'] / best:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(row: dict[str, object]) -> str:
+    drafted, accepted = int(row.get("drafted", 0)), int(row.get("accepted", 0))  # type: ignore[call-overload]
+    accept = f" ({accepted / drafted:.2f})" if drafted else ""
+    return f"{float(row['speedup']):.2f}{accept}"  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ class SpeculativeConfig:
     adaptive: bool = True
     # Draft model: stop drafting a request once the draft's probability for its pick falls below this.
     draft_p_min: float = 0.0
+    # Draft model: propose only from the first this many token ids (its head scores no others);
+    # None: the whole vocabulary. See DecoderModel.limit_head.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:
@@ -51,6 +54,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} needs a draft_model")
         if not 0.0 <= self.draft_p_min < 1.0:
             raise ValueError("draft_p_min must be in [0, 1)")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError("draft_vocab_size must be >= 1 (or null: the whole vocabulary)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.draft_quantization is not None:

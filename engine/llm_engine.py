@@ -439,7 +439,11 @@ class LLMEngine:
         loaded = load_model(spec.draft_model, self.config.draft_quantization)
         check_same_vocab(self.tokenizer, loaded.tokenizer)
         self.draft = ModelRunner(
-            loaded, self.config.device, self.config.dtype, self.config.block_size
+            loaded,
+            self.config.device,
+            self.config.dtype,
+            self.config.block_size,
+            head_rows=spec.draft_vocab_size,
         )
         draft = DraftModelProposer(self.draft, spec.draft_p_min)
         return draft if self._ngram is None else HybridProposer(self._ngram, draft)

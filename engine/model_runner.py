@@ -38,13 +38,20 @@ class ForwardInput:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, device: str, dtype: str, block_size: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        device: str,
+        dtype: str,
+        block_size: int,
+        head_rows: int | None = None,  # score only the first token ids (a draft's head)
+    ) -> None:
         self.loaded = loaded
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
         self.tp = tensor_parallel_for(loaded.name)  # sharded target, or None
-        self.model = _build_model(loaded, self.device, self.dtype, self.tp)
+        self.model = _build_model(loaded, self.device, self.dtype, self.tp, head_rows)
         self.weights: WeightSummary = summarize(self.model)
         log.info(
             "%s runs as %s (%s): %.2f GiB of weights",
@@ -169,10 +176,16 @@ def _flatten(
 
 
 def _build_model(
-    loaded: LoadedModel, device: torch.device, dtype: torch.dtype, tp: TensorParallel | None
+    loaded: LoadedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel | None,
+    head_rows: int | None,
 ) -> DecoderModel:
     with torch.device("meta"):
         model = build_decoder(loaded.architecture, loaded.hf_config)
+        if head_rows is not None:
+            model.limit_head(head_rows)
     mode = quantize_mode(loaded.quantization, from_gguf=loaded.gguf_file is not None)
     if mode is not None:
         if tp is not None:

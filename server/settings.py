@@ -61,6 +61,12 @@ class Settings(BaseSettings):
     draft_p_min: float = Field(
         default=0.0, ge=0.0, lt=1.0, description="stop drafting below this draft probability"
     )
+    draft_vocab_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="the draft proposes only from the first this many token ids, a smaller head "
+        "(null: the whole vocabulary)",
+    )
     device: str = Field(default="cpu", description="cpu, cuda, cuda:N")
     tensor_parallel_size: int = Field(
         default=1,
@@ -158,6 +164,7 @@ class Settings(BaseSettings):
             disable_by_batch_size=self.speculative_disable_batch_size,
             adaptive=self.speculative_adaptive,
             draft_p_min=self.draft_p_min,
+            draft_vocab_size=self.draft_vocab_size,
         )
         return EngineConfig(
             model=self.model,

@@ -513,3 +513,5 @@ def test_spec_grid_modes_and_table() -> None:
     ]
     text = table(rows, names, [1])
     assert "| code | 1 | 1.00 | 1.20 | 1.50 | 0.80 | 0.90 | 1.00 | 0.80 |" in text  # 1.2 / 1.5
+    rows[1] |= {"drafted": 40, "accepted": 30}  # a mode that drafted shows its acceptance
+    assert "| code | 1 | 1.00 | 1.20 (0.75) | 1.50 |" in table(rows, names, [1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,27 @@ def test_num_logits_selects_last_positions(pair: Pair) -> None:
     _assert_close(logits, pair.reference(ids)[-3:])
     none = runner.forward([ForwardInput([ids[0]], 0, table, 0)])
     assert none.shape == (0, runner.vocab_size)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_limited_head_scores_the_first_ids_alike(pair: Pair, quantization: str) -> None:
+    """A head limited to the first ids (a draft's) gives those ids the full head's logits and
+    every other id -inf, tied or untied, float or quantized."""
+    loaded = replace(pair.loaded, quantization=quantization)
+    vocab = pair.loaded.hf_config.vocab_size
+    rows = vocab // 3
+    full, limited = (
+        ModelRunner(loaded, "cpu", "float32", BLOCK_SIZE, head) for head in (None, rows)
+    )
+    ids = pair.tokens(PROMPTS[3])
+    [table] = _block_tables(1, 24, seed=6)
+    logits = []
+    for runner in (full, limited):
+        runner.allocate_kv_cache(NUM_BLOCKS)
+        logits.append(runner.forward([ForwardInput(ids, 0, table, len(ids))]))
+    assert logits[1].shape == (len(ids), vocab)
+    _assert_close(logits[1][:, :rows], logits[0][:, :rows])
+    assert torch.isneginf(logits[1][:, rows:]).all()
 
 
 def test_ragged_batch(pair: Pair) -> None:

@@ -33,7 +33,7 @@ def plain(tiny_model_dir: Path) -> LLMEngine:
     return make_engine(tiny_model_dir)
 
 
-def _spec_engine(kind: str, model: Path, draft: Path, k: int = 4) -> LLMEngine:
+def _spec_engine(kind: str, model: Path, draft: Path, k: int = 4, vocab: int = 0) -> LLMEngine:
     if kind == "ngram":
         spec = SpeculativeConfig(
             method="ngram", num_speculative_tokens=k, ngram_min=1, ngram_max=3, adaptive=False
@@ -43,7 +43,9 @@ def _spec_engine(kind: str, model: Path, draft: Path, k: int = 4) -> LLMEngine:
             method="draft",
             num_speculative_tokens=k,
             adaptive=False,
-            draft_model=str(model if kind == "self-draft" else draft),
+            draft_model=str(draft if kind == "draft" else model),
+            # self-draft-head: the target drafts for itself from the first half of the ids only
+            draft_vocab_size=vocab // 2 if kind == "self-draft-head" else None,
         )
     return make_engine(model, speculative=spec)
 
@@ -54,12 +56,12 @@ def _repetitive_prompts(n: int, vocab: int) -> list[list[int]]:
     return [p * 3 + p[:2] for p in base]
 
 
-@pytest.mark.parametrize("kind", ["draft", "self-draft", "ngram"])
+@pytest.mark.parametrize("kind", ["draft", "self-draft", "self-draft-head", "ngram"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_speculation_equals_plain(
     kind: str, batch: int, plain: LLMEngine, tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
 ) -> None:
-    engine = _spec_engine(kind, tiny_model_dir, tiny_draft_dir)
+    engine = _spec_engine(kind, tiny_model_dir, tiny_draft_dir, vocab=vocab)
     prompts = (
         _repetitive_prompts(batch, vocab)
         if kind == "ngram"
@@ -74,6 +76,12 @@ def test_greedy_speculation_equals_plain(
     assert drafted > 0
     if kind == "self-draft":
         assert accepted == drafted  # the target drafting for itself is always right
+    if kind == "self-draft-head" and batch > 1:
+        # right wherever the target's pick lies in the head's half, and only there
+        assert 0 < accepted < drafted
+        limit = vocab // 2
+        for seq in spec_seqs:
+            assert seq.spec.num_accepted_tokens <= sum(t < limit for t in seq.output_token_ids)
     for seq, k in zip(spec_seqs, ks, strict=True):
         if k == 0:
             assert seq.spec.num_draft_tokens == 0
@@ -141,7 +149,7 @@ def _sample_pairs(engine: LLMEngine, prompt: list[int]) -> tuple[list[tuple[int,
     return pairs, sum(s.spec.num_draft_tokens for s in seqs)
 
 
-@pytest.mark.parametrize("kind", ["none", "draft", "ngram", "hybrid"])
+@pytest.mark.parametrize("kind", ["none", "draft", "draft-head", "ngram", "hybrid"])
 def test_sampled_pairs_follow_target_distribution(
     kind: str, tiny_model_dir: Path, tiny_draft_dir: Path, vocab: int
 ) -> None:
@@ -154,6 +162,14 @@ def test_sampled_pairs_follow_target_distribution(
             num_speculative_tokens=2,
             draft_model=str(tiny_draft_dir),
             adaptive=False,
+        ),
+        # the draft proposes from the first half of the ids only (its q is 0 on the rest)
+        "draft-head": SpeculativeConfig(
+            method="draft",
+            num_speculative_tokens=2,
+            draft_model=str(tiny_draft_dir),
+            adaptive=False,
+            draft_vocab_size=vocab // 2,
         ),
         "ngram": SpeculativeConfig(
             method="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=3, adaptive=False

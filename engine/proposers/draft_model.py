@@ -78,14 +78,21 @@ class DraftModelProposer:
         seqs = [item.seq for item in items]
         history = [seq.output_token_ids + drafts[key] for seq, key in zip(seqs, keys, strict=True)]
         logits = structured.constrain_draft_logits(seqs, logits, [drafts[key] for key in keys])
+        # A row can leave the draft nothing to propose: a grammar that allows only ids beyond a
+        # limited head (draft_vocab_size). It stops drafting; zeros keep its softmax finite.
+        proposes = torch.isfinite(logits.amax(dim=-1))  # [len(items)]
+        if not proposes.all():
+            logits = torch.where(proposes[:, None], logits, 0.0)
         step_probs = processed_probs(logits, [seq.params for seq in seqs], history)
         tokens = sample(step_probs, [seq.generator for seq in seqs])
         # Confidence uses the raw draft distribution, so greedy (one-hot) rows are judged too.
-        confidence = torch.softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens].tolist()
-        for row, (key, token) in enumerate(zip(keys, tokens, strict=True)):
-            drafts[key].append(token)
-            probs[key].append(step_probs[row])
-        return [p >= self.p_min for p in confidence]
+        confidence = torch.softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens]
+        confident = (proposes & (confidence >= self.p_min)).tolist()
+        for row, (key, token, ok) in enumerate(zip(keys, tokens, proposes.tolist(), strict=True)):
+            if ok:
+                drafts[key].append(token)
+                probs[key].append(step_probs[row])
+        return confident
 
     def _proposal(
         self,

@@ -44,14 +44,15 @@ class ModelRunner:
         device: str,
         dtype: str,
         block_size: int,
-        head_rows: int | None = None,  # score only the first token ids (a draft's head)
+        head_rows: int | None = None,  # score only the first token ids and the stop ids (a draft)
     ) -> None:
         self.loaded = loaded
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.block_size = block_size
         self.tp = tensor_parallel_for(loaded.name)  # sharded target, or None
-        self.model = _build_model(loaded, self.device, self.dtype, self.tp, head_rows)
+        head = None if head_rows is None else (head_rows, self.eos_token_ids)
+        self.model = _build_model(loaded, self.device, self.dtype, self.tp, head)
         self.weights: WeightSummary = summarize(self.model)
         log.info(
             "%s runs as %s (%s): %.2f GiB of weights",
@@ -180,12 +181,12 @@ def _build_model(
     device: torch.device,
     dtype: torch.dtype,
     tp: TensorParallel | None,
-    head_rows: int | None,
+    head: tuple[int, list[int]] | None,  # DecoderModel.limit_head's rows and extra ids
 ) -> DecoderModel:
     with torch.device("meta"):
         model = build_decoder(loaded.architecture, loaded.hf_config)
-        if head_rows is not None:
-            model.limit_head(head_rows)
+        if head is not None:
+            model.limit_head(*head)
     mode = quantize_mode(loaded.quantization, from_gguf=loaded.gguf_file is not None)
     if mode is not None:
         if tp is not None:

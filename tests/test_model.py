@@ -127,12 +127,16 @@ def test_num_logits_selects_last_positions(pair: Pair) -> None:
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_limited_head_scores_the_first_ids_alike(pair: Pair, quantization: str) -> None:
-    """A head limited to the first ids (a draft's) gives those ids the full head's logits and
-    every other id -inf, tied or untied, float or quantized."""
+def test_limited_head_scores_the_first_ids_and_stop_ids_alike(
+    pair: Pair, quantization: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head limited to the first ids (a draft's) gives those ids and the stop ids the full
+    head's logits and every other id -inf, tied or untied, float or quantized."""
     loaded = replace(pair.loaded, quantization=quantization)
     vocab = pair.loaded.hf_config.vocab_size
     rows = vocab // 3
+    stops = [1, vocab - 7, vocab - 1]  # the tiny tokenizer's own come first: put two past rows
+    monkeypatch.setattr(ModelRunner, "eos_token_ids", property(lambda self: stops))
     full, limited = (
         ModelRunner(loaded, "cpu", "float32", BLOCK_SIZE, head) for head in (None, rows)
     )
@@ -143,8 +147,11 @@ def test_limited_head_scores_the_first_ids_alike(pair: Pair, quantization: str) 
         runner.allocate_kv_cache(NUM_BLOCKS)
         logits.append(runner.forward([ForwardInput(ids, 0, table, len(ids))]))
     assert logits[1].shape == (len(ids), vocab)
-    _assert_close(logits[1][:, :rows], logits[0][:, :rows])
-    assert torch.isneginf(logits[1][:, rows:]).all()
+    scored = torch.zeros(vocab, dtype=torch.bool)
+    scored[:rows] = True
+    scored[stops] = True
+    _assert_close(logits[1][:, scored], logits[0][:, scored])
+    assert torch.isneginf(logits[1][:, ~scored]).all()
 
 
 def test_ragged_batch(pair: Pair) -> None:

@@ -238,6 +238,36 @@ def test_sampled_pairs_follow_the_masked_distribution(
     assert chi_square_pvalue(pairs, probs, max_cells=150) > 1e-3
 
 
+def test_draft_rows_with_nothing_to_propose_stop_drafting(
+    tiny_model_dir: Path, tokenizer: object, vocab: int
+) -> None:
+    """A draft head limited below every token the grammar allows (draft_vocab_size) leaves the
+    draft's rows nothing to propose: those requests sample on without drafts (no NaN from an
+    all -inf row), inside the grammar, while a free request in the same batch drafts."""
+    allowed = set("abcdefghijklmnopqrstuvwxyz ")
+    letters = [i for i in range(vocab) if set(tokenizer.decode([i]) or "?") <= allowed]  # type: ignore[attr-defined]
+    spec = SpeculativeConfig(
+        method="draft",
+        num_speculative_tokens=2,
+        adaptive=False,
+        draft_model=str(tiny_model_dir),
+        draft_vocab_size=min(letters),
+    )
+    engine = make_engine(tiny_model_dir, speculative=spec)
+    sampled = dict(max_tokens=8, temperature=TEMPERATURE, ignore_eos=True)
+    params = [
+        SamplingParams(seed=s, constraints=Constraints(grammar=LETTERS), **sampled)  # type: ignore[arg-type]
+        for s in range(6)
+    ]
+    params.append(SamplingParams(seed=99, **sampled))  # type: ignore[arg-type]
+    prompt = tokenizer.encode("the quick brown fox")  # type: ignore[attr-defined]
+    seqs = engine.generate([prompt] * len(params), params)
+    for seq in seqs[:-1]:
+        assert re.fullmatch("[a-z ]{8,}", tokenizer.decode(seq.output_token_ids))  # type: ignore[attr-defined]
+        assert seq.spec.num_draft_tokens == 0
+    assert seqs[-1].spec.num_draft_tokens > 0
+
+
 # ---- logit_bias ------------------------------------------------------------------------------
 
 

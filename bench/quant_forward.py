@@ -6,6 +6,8 @@ medians over rounds:
 
     python -m bench.quant_forward --threads 1 --rows 1,2,3,4,5,8 --prefill 512
     python -m bench.quant_forward --threads 2 --modes auto,w8a8,w8a8-fast --rows 1,2,4,8,16
+    python -m bench.quant_forward --model bundled:qwen2.5-coder-0.5b-instruct --modes w8a8-fast \
+        --head-rows 0,32768,65536 --rows 1,2 --prefill 0   # a draft's limited head
 """
 
 from __future__ import annotations
@@ -51,13 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="forwards per cell and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default="none,auto", help="quantizations to compare")
+    ap.add_argument(
+        "--head-rows",
+        default="0",
+        help="draft_vocab_size values to compare, one runner each (0: the whole vocabulary)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [int(m) for m in args.rows.split(",")]
     loaded = load_model(args.model, "auto")
     runners = {
-        mode: ModelRunner(replace(loaded, quantization=mode), "cpu", "bfloat16", 16)
+        mode + (f", head {head}" if head else ""): ModelRunner(
+            replace(loaded, quantization=mode), "cpu", "bfloat16", 16, head or None
+        )
         for mode in args.modes.split(",")
+        for head in (int(h) for h in args.head_rows.split(","))
     }
     blocks = -(-max(_CACHED + max(rows), args.prefill) // 16) + 1
     for runner in runners.values():

@@ -31,6 +31,7 @@ BUNDLED_PAIR: dict[str, Any] = {
     "draft_model": "bundled:qwen2.5-coder-0.5b-instruct",
     "quantization": "w8a8",
     "draft_quantization": "w8a8-fast",
+    "draft_vocab_size": 65536,
     "served_model_name": "qwen2.5-coder-1.5b-instruct",
     "speculative_method": "hybrid",
     "num_speculative_tokens": 3,

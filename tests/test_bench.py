@@ -515,3 +515,12 @@ def test_spec_grid_modes_and_table() -> None:
     assert "| code | 1 | 1.00 | 1.20 | 1.50 | 0.80 | 0.90 | 1.00 | 0.80 |" in text  # 1.2 / 1.5
     rows[1] |= {"drafted": 40, "accepted": 30}  # a mode that drafted shows its acceptance
     assert "| code | 1 | 1.00 | 1.20 (0.75) | 1.50 |" in table(rows, names, [1])
+
+
+def test_draft_vocab_coverage_counts_stop_ids_as_covered() -> None:
+    from bench.draft_vocab import coverage
+
+    tokens = [1, 5, 40, 99, 99]
+    assert coverage(tokens, 10, frozenset()) == 0.4
+    assert coverage(tokens, 10, frozenset({99})) == 0.8
+    assert coverage([], 10, frozenset()) == 0.0

@@ -163,8 +163,8 @@ def test_serve_without_a_model_serves_the_bundled_pair(monkeypatch: pytest.Monke
     assert (s.model, s.draft_model, s.speculative_method) == (
         shipped.model, shipped.draft_model, "hybrid",
     )  # fmt: skip
-    assert (s.quantization, s.draft_quantization) == (
-        shipped.quantization, shipped.draft_quantization,
+    assert (s.quantization, s.draft_quantization, s.draft_vocab_size) == (
+        shipped.quantization, shipped.draft_quantization, shipped.draft_vocab_size,
     )  # fmt: skip
     assert s.served_model_name == shipped.served_model_name
 

@@ -12,6 +12,7 @@ cannot propose, so the share is a ceiling on what the limit leaves of acceptance
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from bench.cli import csv_list
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|" + "---:|" * len(sizes))
     for category in csv_list(args.categories):
         prompts = [token_ids(engine, p) for p in load_category(category, args.num_prompts, {})]
+        print(
+            f"draft_vocab: {category}: the target answers {len(prompts)} prompts", file=sys.stderr
+        )
         seqs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
         tokens = [t for seq in seqs for t in seq.output_token_ids]
         cells = " | ".join(f"{coverage(tokens, s, engine.eos_token_ids):.1%}" for s in sizes)

@@ -76,7 +76,7 @@ class Switch:
         if self.planner is None or mode.adaptive:
             return
         for seq in seqs:
-            self.planner.finished(seq.num_output_tokens, capped=seq.finish_reason == "length")
+            self.planner.finished(seq)
 
 
 def token_ids(engine: LLMEngine, prompt: Prompt) -> list[int]:
@@ -177,8 +177,8 @@ def measure(
             switch.set(mode)
             done = run(engine, batch[start : start + c], mode.k, max_tokens)
             speeds[mode.name] = done.tokens_per_s
-            drafted, accepted = drafts[mode.name]
-            drafts[mode.name] = (drafted + done.drafts[0], accepted + done.drafts[1])
+            (drafted, accepted), (more_drafted, more_accepted) = drafts[mode.name], done.drafts
+            drafts[mode.name] = (drafted + more_drafted, accepted + more_accepted)
             switch.observe_lengths(done.finished, mode)
             bar.update(1)
         for name, speed in speeds.items():

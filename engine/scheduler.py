@@ -125,8 +125,8 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.times.finished = time.monotonic()
-        if self.planner is not None and reason != "abort":
-            self.planner.finished(seq.num_output_tokens, capped=reason == "length")
+        if self.planner is not None:
+            self.planner.finished(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -32,6 +32,7 @@ from engine.structured import FORCED_SOURCE
 
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledSeq
+    from engine.sequence import Sequence
 
 DECAY = 0.8  # per observation: a request's text changes character within tens of tokens
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the global acceptance behind a fresh estimate
@@ -304,9 +305,11 @@ class SpecPlanner:
         self.priors[proposer].observe(drafted, accepted, decay=0.99)
         self.verified[proposer] += 1
 
-    def finished(self, num_output_tokens: int, capped: bool) -> None:
-        """A request ended by a stop, or by its length limit (`capped`); not by an abort."""
-        self.lengths.observe(num_output_tokens, capped)
+    def finished(self, seq: Sequence) -> None:
+        """A request ended: its answer's length joins the window unless it was aborted (a
+        length-limited one counts as capped)."""
+        if seq.finish_reason != "abort":
+            self.lengths.observe(seq.num_output_tokens, capped=seq.finish_reason == "length")
 
     def _option(
         self,

@@ -223,7 +223,7 @@ def test_a_short_answer_does_not_pay_for_a_catch_up_on_its_prompt() -> None:
     as many tokens as the lag's price needs, it catches up."""
     planner = _planner()
     for _ in range(10):
-        planner.finished(3, capped=False)
+        planner.lengths.observe(3)
     seq = Sequence(
         request_id="r",
         prompt_token_ids=list(range(300)),

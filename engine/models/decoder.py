@@ -317,8 +317,8 @@ class DecoderModel(nn.Module):
                 return None  # a tied head saved anyway; rotary buffers of old checkpoints
             raise ValueError(f"unexpected weight {hf_name!r} for this architecture")
         if name == "lm_head.weight" and self.head_rows < self.shape.vocab_size:
-            ids = torch.cat([torch.arange(self.head_rows), torch.tensor(self.head_extra)])
-            tensor = _rows(tensor, ids.long())
+            extra = torch.tensor(self.head_extra, dtype=torch.long)
+            tensor = _rows(tensor, torch.cat([torch.arange(self.head_rows), extra]))
         target = targets[name]
         if isinstance(target, nn.Parameter):
             dense = tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()

@@ -20,12 +20,14 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH \
     SPECSERVE_CACHE=/models
 
-# CUDA base images come without Python; python:*-slim already has it.
-RUN if ! command -v python3 >/dev/null; then \
-        apt-get update \
-        && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
-        && rm -rf /var/lib/apt/lists/*; \
+# CUDA base images come without Python; python:*-slim already has it. g++: torch.compile's
+# C++ code generation (draft_compile); without it the draft runs eagerly.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && if ! command -v python3 >/dev/null; then \
+        apt-get install -y --no-install-recommends python3 python3-dev python3-venv ca-certificates; \
     fi \
+    && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv \
     && useradd --create-home --shell /usr/sbin/nologin specserve \
     && mkdir -p /models && chown specserve:specserve /models

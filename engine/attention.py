@@ -17,7 +17,6 @@ layer for K and for V, so one gather gives contiguous `[kv_heads, batch, len, he
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,16 +65,27 @@ class AttentionMetadata:
 
     @classmethod
     def build(
-        cls, spans: Sequence[RequestSpan], block_size: int, device: torch.device
+        cls,
+        spans: Sequence[RequestSpan],
+        block_size: int,
+        device: torch.device,
+        uniform: bool = False,
     ) -> AttentionMetadata:
+        """`uniform`: short groups always carry a mask and a query index, even where the batch
+        needs neither, so that a compiled graph sees one structure for every decode batch."""
         slots = [_slots(span, block_size) for span in spans]
         slot_mapping = torch.tensor([s for ss in slots for s in ss], dtype=torch.int64)
         groups = []
         token_start = 0
         for run in _group_runs(spans):
-            groups.append(_build_group(run, token_start, block_size, device))
+            groups.append(_build_group(run, token_start, block_size, device, uniform))
             token_start += sum(span.num_tokens for span in run)
         return cls(slot_mapping.to(device, non_blocking=True), tuple(groups), block_size)
+
+    @property
+    def short_only(self) -> bool:
+        """One group of short queries: a batch of decodes and verify queries, no prefill."""
+        return len(self.groups) == 1 and self.groups[0].max_query_len <= SHORT_QUERY_MAX
 
 
 def _slots(span: RequestSpan, block_size: int) -> list[int]:
@@ -104,7 +114,11 @@ def _group_runs(spans: Sequence[RequestSpan]) -> list[list[RequestSpan]]:
 
 
 def _build_group(
-    run: list[RequestSpan], token_start: int, block_size: int, device: torch.device
+    run: list[RequestSpan],
+    token_start: int,
+    block_size: int,
+    device: torch.device,
+    uniform: bool,
 ) -> AttentionGroup:
     max_q = max(span.num_tokens for span in run)
     max_blocks = max(-(-span.context_len // block_size) for span in run)
@@ -113,8 +127,9 @@ def _build_group(
         n = -(-span.context_len // block_size)
         tables[b, :n] = torch.tensor(span.block_table[:n], dtype=torch.int64)
     num_tokens = sum(span.num_tokens for span in run)
-    mask = _mask(run, max_q, max_blocks * block_size)
-    if max_q <= SHORT_QUERY_MAX and mask is not None:
+    short = max_q <= SHORT_QUERY_MAX
+    mask = _mask(run, max_q, max_blocks * block_size, always=uniform and short)
+    if short and mask is not None:
         mask = _bias(mask)
     return AttentionGroup(
         token_start=token_start,
@@ -123,13 +138,13 @@ def _build_group(
         max_query_len=max_q,
         block_tables=tables.to(device, non_blocking=True),
         mask=None if mask is None else mask.to(device, non_blocking=True),
-        query_index=_query_index(run, max_q, device),
+        query_index=_query_index(run, max_q, device, always=uniform and short),
     )
 
 
-def _mask(run: list[RequestSpan], max_q: int, kv_len: int) -> torch.Tensor | None:
+def _mask(run: list[RequestSpan], max_q: int, kv_len: int, always: bool) -> torch.Tensor | None:
     """Query j of a request sees keys [0, start_pos + j]; padded query rows see key 0 only."""
-    if len(run) == 1 and run[0].num_tokens == 1 and run[0].context_len == kv_len:
+    if not always and len(run) == 1 and run[0].num_tokens == 1 and run[0].context_len == kv_len:
         return None
     start = torch.tensor([span.start_pos for span in run], dtype=torch.int64)
     qlen = torch.tensor([span.num_tokens for span in run], dtype=torch.int64)
@@ -146,8 +161,10 @@ def _bias(mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
 
 
-def _query_index(run: list[RequestSpan], max_q: int, device: torch.device) -> torch.Tensor | None:
-    if all(span.num_tokens == max_q for span in run):
+def _query_index(
+    run: list[RequestSpan], max_q: int, device: torch.device, always: bool
+) -> torch.Tensor | None:
+    if not always and all(span.num_tokens == max_q for span in run):
         return None
     index = [b * max_q + j for b, span in enumerate(run) for j in range(span.num_tokens)]
     return torch.tensor(index, dtype=torch.int64).to(device, non_blocking=True)
@@ -254,10 +271,17 @@ def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
-@functools.cache
 def _cpu_has_half_matmul() -> bool:
+    return _CPU_HAS_HALF_MATMUL
+
+
+def _probe_half_matmul() -> bool:
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private: may go away
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+# Probed once at import: torch.compile cannot trace the probes (engine.decode_graph).
+_CPU_HAS_HALF_MATMUL = _probe_half_matmul()
 
 
 def _pad_queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

@@ -42,6 +42,8 @@ class SpeculativeConfig:
     # Draft model: propose only from the first this many token ids (its head scores no others);
     # None: the whole vocabulary. See DecoderModel.limit_head.
     draft_vocab_size: int | None = None
+    # Draft model: run one request's decode through a torch.compile'd graph (engine/decode_graph.py).
+    draft_compile: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:

@@ -59,6 +59,7 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
             runner.allocate_kv_cache(num_blocks)
+            runner.warm_up()
         if self.planner is not None:
             self._calibrate(num_blocks)
         self.block_manager = BlockManager(
@@ -444,6 +445,7 @@ class LLMEngine:
             self.config.dtype,
             self.config.block_size,
             head_rows=spec.draft_vocab_size,
+            compile_decode=spec.draft_compile,
         )
         draft = DraftModelProposer(self.draft, spec.draft_p_min)
         return draft if self._ngram is None else HybridProposer(self._ngram, draft)

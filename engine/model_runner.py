@@ -11,6 +11,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.attention import AttentionMetadata, RequestSpan
+from engine.decode_graph import DecodeGraph
 from engine.loader import LoadedModel
 from engine.models import build_decoder
 from engine.models.decoder import DecoderModel, KVCache
@@ -45,6 +46,7 @@ class ModelRunner:
         dtype: str,
         block_size: int,
         head_rows: int | None = None,  # score only the first token ids and the stop ids (a draft)
+        compile_decode: bool = False,  # one request's decode through a compiled graph (a draft)
     ) -> None:
         self.loaded = loaded
         self.device = torch.device(device)
@@ -54,6 +56,8 @@ class ModelRunner:
         head = None if head_rows is None else (head_rows, self.eos_token_ids)
         self.model = _build_model(loaded, self.device, self.dtype, self.tp, head)
         self.weights: WeightSummary = summarize(self.model)
+        self.decode_graph = DecodeGraph(self.model) if compile_decode else None
+        self.model.compiled_layers = self.decode_graph
         log.info(
             "%s runs as %s (%s): %.2f GiB of weights",
             loaded.name,
@@ -105,11 +109,23 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.lead("allocate_kv_cache", num_blocks)
         s = self.model.shape
-        shape = (2, s.num_kv_heads, num_blocks, self.block_size, s.head_dim)
+        shape = (s.num_kv_heads, num_blocks, self.block_size, s.head_dim)
+        # K and V tensors of their own, not views of one: a compiled graph (DecodeGraph) that
+        # writes into a view of its input copies the whole base back (the pool, every layer)
         self.kv_caches = []
         for _ in range(s.num_layers):
-            kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.kv_caches.append((kv[0], kv[1]))
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append((k, v))
+
+    def warm_up(self) -> None:
+        """Compile the decode graph, if any (after allocate_kv_cache). Its forwards write K/V in
+        block 0, which no request owns yet."""
+        if self.decode_graph is not None:
+            start = self.block_size  # two blocks of context: no size of one to specialize on
+            self.decode_graph.warm_up(
+                lambda n: self.forward([ForwardInput([0] * n, start, [0, 1], 1)])
+            )
 
     @torch.inference_mode()
     def forward(self, inputs: list[ForwardInput]) -> torch.Tensor:
@@ -140,7 +156,9 @@ class ModelRunner:
     def _forward(self, inputs: list[ForwardInput]) -> torch.Tensor:
         input_ids, positions, logit_rows = _flatten(inputs, self.block_size)
         spans = [RequestSpan(i.start_pos, len(i.token_ids), i.block_table) for i in inputs]
-        meta = AttentionMetadata.build(spans, self.block_size, self.device)
+        meta = AttentionMetadata.build(
+            spans, self.block_size, self.device, uniform=self.decode_graph is not None
+        )
         hidden = self.model(
             input_ids.to(self.device, non_blocking=True),
             positions.to(self.device, non_blocking=True),

@@ -32,6 +32,7 @@ BUNDLED_PAIR: dict[str, Any] = {
     "quantization": "w8a8",
     "draft_quantization": "w8a8-fast",
     "draft_vocab_size": 65536,
+    "draft_compile": True,
     "served_model_name": "qwen2.5-coder-1.5b-instruct",
     "speculative_method": "hybrid",
     "num_speculative_tokens": 3,

@@ -67,6 +67,11 @@ class Settings(BaseSettings):
         description="the draft proposes only from the first this many token ids, a smaller head "
         "(null: the whole vocabulary)",
     )
+    draft_compile: bool = Field(
+        default=False,
+        description="run the draft's single-request decode through a torch.compile'd graph "
+        "(compiled at start; cached on disk)",
+    )
     device: str = Field(default="cpu", description="cpu, cuda, cuda:N")
     tensor_parallel_size: int = Field(
         default=1,
@@ -165,6 +170,7 @@ class Settings(BaseSettings):
             adaptive=self.speculative_adaptive,
             draft_p_min=self.draft_p_min,
             draft_vocab_size=self.draft_vocab_size,
+            draft_compile=self.draft_compile,
         )
         return EngineConfig(
             model=self.model,

@@ -8,7 +8,7 @@ with paged KV caches described by one `AttentionMetadata`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
@@ -218,6 +218,8 @@ class DecoderModel(nn.Module):
             else nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         )
         self.rotary: Rotary | None = None
+        # the layer stack as a compiled graph where it fits the batch (engine.decode_graph)
+        self.compiled_layers: Callable[..., torch.Tensor] | None = None
         # token ids the head scores: the first head_rows, then head_extra (all of them by default)
         self.head_rows = shape.vocab_size
         self.head_extra: list[int] = []
@@ -253,6 +255,16 @@ class DecoderModel(nn.Module):
         assert self.rotary is not None, "call init_rotary first"
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
+        run_layers = self.compiled_layers or self.run_layers
+        return run_layers(x, rope, kv_caches, meta)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the embedded tokens
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, meta)
         return self.norm(x)

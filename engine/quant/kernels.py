@@ -11,8 +11,10 @@ int8 kernel), then to `DenseKernel`, with one log line per kind.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
+import weakref
 from typing import Protocol
 
 import torch
@@ -131,6 +133,8 @@ class Int8DynamicKernel:
             warnings.simplefilter("ignore")  # the int8 fallback cover their removal
             q = torch._make_per_channel_quantized_tensor(weight.q, scale, zeros, 0)
         self.packed = torch.ops.quantized.linear_prepack(q, None)
+        self.handle = _register_packed(self)  # how a compiled graph names the packed weight
+        self.out_features = weight.shape[0]
         self.row_sums = weight.dequantize(torch.float32).sum(1)  # [N]: W 1
         n, k = weight.shape
         self.packed_bytes = n * k + 8 * n  # fbgemm's own copy: int8 values, a scale per row
@@ -139,13 +143,18 @@ class Int8DynamicKernel:
         m = x.shape[0]
         u, mid, step = _row_grid(x.float())  # x = mid + step * u: [M, K], [M, 1], [M, 1]
         if self.passes == 1:
-            y = torch.ops.quantized.linear_dynamic(u.round_(), self.packed, True)  # [M, N]: W g
+            y = self._gemm(u.round_())  # [M, N]: W g
         else:
             g = u.round()
             residual = (u - g).mul_(_RESIDUAL_LEVELS).round_()  # in -63..63
-            both = torch.ops.quantized.linear_dynamic(torch.cat([g, residual]), self.packed, True)
+            both = self._gemm(torch.cat([g, residual]))
             y = torch.add(both[:m], both[m:], alpha=1 / _RESIDUAL_LEVELS)  # W (g + residual / 126)
         return torch.addcmul(mid * self.row_sums, step, y)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float32 -> [M, N] float32
+        if torch.compiler.is_compiling():  # the packed weight is opaque to the compiler
+            return torch.ops.specserve.linear_dynamic(x, self.handle, self.out_features)
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
 
     def tensors(self) -> list[torch.Tensor]:  # the packed weight is not a tensor: packed_bytes
         return [self.row_sums]
@@ -166,8 +175,33 @@ class Int8DynamicFastKernel(Int8DynamicKernel):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] float32
         if x.shape[0] == 1:
-            return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True)
+            return self._gemm(x.float())
         return super().__call__(x)
+
+
+# fbgemm's packed weights by handle, for graphs compiled with torch.compile (ModelRunner's
+# compiled decode): the compiler cannot trace a packed weight, so the graph holds a 0-d int64
+# tensor naming it (a tensor, not an int, so that one graph serves every layer) and calls
+# `specserve::linear_dynamic`, whose body looks the weight up. An entry lives as its kernel does.
+_PACKED: dict[int, torch.ScriptObject] = {}
+_next_handle = itertools.count()
+
+
+def _register_packed(kernel: Int8DynamicKernel) -> torch.Tensor:
+    handle = next(_next_handle)
+    _PACKED[handle] = kernel.packed
+    weakref.finalize(kernel, _PACKED.pop, handle, None)
+    return torch.tensor(handle)
+
+
+@torch.library.custom_op("specserve::linear_dynamic", mutates_args=())
+def _linear_dynamic(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[int(handle)], True)
+
+
+@_linear_dynamic.register_fake
+def _(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 _ACT_LEVELS = 127  # fbgemm's reduced range: u8 x s8 pairs cannot saturate on AVX2

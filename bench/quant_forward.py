@@ -8,6 +8,8 @@ medians over rounds:
     python -m bench.quant_forward --threads 2 --modes auto,w8a8,w8a8-fast --rows 1,2,4,8,16
     python -m bench.quant_forward --model bundled:qwen2.5-coder-0.5b-instruct --modes w8a8-fast \
         --head-rows 0,32768,65536 --rows 1,2 --prefill 0   # a draft's limited head
+    python -m bench.quant_forward --model bundled:qwen2.5-coder-0.5b-instruct --modes w8a8-fast \
+        --head-rows 65536 --compile 0,1 --rows 1,2,4 --prefill 0   # eager against compiled
 """
 
 from __future__ import annotations
@@ -58,21 +60,28 @@ def main(argv: list[str] | None = None) -> int:
         default="0",
         help="draft_vocab_size values to compare, one runner each (0: the whole vocabulary)",
     )
+    ap.add_argument(
+        "--compile",
+        default="0",
+        help="0 (eager layers), 1 (DecodeGraph: one request's decode compiled), or both: 0,1",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [int(m) for m in args.rows.split(",")]
     loaded = load_model(args.model, "auto")
     runners = {
-        mode + (f", head {head}" if head else ""): ModelRunner(
-            replace(loaded, quantization=mode), "cpu", "bfloat16", 16, head or None
+        mode + (f", head {head}" if head else "") + (", compiled" if compiled else ""): ModelRunner(
+            replace(loaded, quantization=mode), "cpu", "bfloat16", 16, head or None, compiled
         )
         for mode in args.modes.split(",")
         for head in (int(h) for h in args.head_rows.split(","))
+        for compiled in (c == "1" for c in args.compile.split(","))
     }
     blocks = -(-max(_CACHED + max(rows), args.prefill) // 16) + 1
     for runner in runners.values():
         runner.allocate_kv_cache(blocks)
-        forward_ms(runner, 8, 1)  # warm-up
+        runner.warm_up()  # compiles a DecodeGraph (minutes the first time; cached)
+        forward_ms(runner, 8, 1)
     times: dict[tuple[str, int], list[float]] = {(name, m): [] for name in runners for m in rows}
     for done in range(args.rounds):
         print(f"round {done + 1}/{args.rounds}", file=sys.stderr)

@@ -5,7 +5,7 @@ On this project's CPUs a draft model's decode is only half weights: the 0.5B dra
 (norms, rotary, attention, activation rounding) and the Python between them, and every draft
 token of a speculative step pays for that. Inductor fuses those small ops into a few loops per
 layer (fbgemm's GEMM stays an opaque call: `specserve::linear_dynamic`), which takes a draft
-forward from ~80 to ~65 ms at one row and from ~89 to ~68 ms at two (docs/BENCHMARKS.md).
+forward from 70 to 60 ms at one row and from 87 to 65 ms at four (docs/BENCHMARKS.md).
 
 What is compiled, and when:
 - Batches of one request with at most `SHORT_QUERY_MAX` new tokens: a draft's decode and its

@@ -14,7 +14,7 @@ What is compiled, and when:
   compiling on a 2-core host.
 - Both graphs (one new token; several) are compiled at start (`warm_up`), with progress in the
   log. Inductor caches them on disk ($TORCHINDUCTOR_CACHE_DIR, by default under the specserve
-  cache), so later starts take seconds.
+  cache), so later starts take ~35 s here.
 - After the warm-up no call may compile again: a batch the graphs do not cover (it should not
   happen) runs eagerly instead, as does everything once compiling fails (no C++ compiler, an
   op inductor cannot lower): one warning, never an error.

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     for runner in runners.values():
         runner.allocate_kv_cache(blocks)
         runner.warm_up()  # compiles a DecodeGraph (minutes the first time; cached)
-        forward_ms(runner, 8, 1)
+        forward_ms(runner, 8, 1)  # warm-up of caches and allocators
     times: dict[tuple[str, int], list[float]] = {(name, m): [] for name in runners for m in rows}
     for done in range(args.rounds):
         print(f"round {done + 1}/{args.rounds}", file=sys.stderr)

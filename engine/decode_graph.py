@@ -80,7 +80,7 @@ class DecodeGraph:
         ]
         self.warm = False  # after warm_up: a call that would compile runs eagerly instead
         self.broken = False  # compiling failed: eager from now on
-        self.calls = 0  # compiled calls, for tests and logs
+        self.calls = 0  # compiled calls (tests read it)
 
     @staticmethod
     def fits(meta: AttentionMetadata) -> bool:
@@ -96,7 +96,7 @@ class DecodeGraph:
         if self.broken or not self.fits(meta):
             return self.model.run_layers(x, rope, kv_caches, meta)
         try:
-            with self._no_recompile():
+            with self._stance():
                 out = x
                 for start, layers in self.chunks:
                     kv = kv_caches[start : start + len(layers)]
@@ -131,7 +131,9 @@ class DecodeGraph:
         self.warm = True
         log.info("decode graph ready in %.0f s", time.perf_counter() - started)
 
-    def _no_recompile(self) -> AbstractContextManager[object]:
+    def _stance(self) -> AbstractContextManager[object]:
+        """Warm: no compiling (a new shape raises, and the batch runs eagerly). Warming up:
+        compile without duck sizing."""
         if self.warm:
             return torch.compiler.set_stance("fail_on_recompile")
         # No duck sizing while compiling: a batch's block count must not share a symbol with

@@ -156,9 +156,9 @@ class ModelRunner:
     def _forward(self, inputs: list[ForwardInput]) -> torch.Tensor:
         input_ids, positions, logit_rows = _flatten(inputs, self.block_size)
         spans = [RequestSpan(i.start_pos, len(i.token_ids), i.block_table) for i in inputs]
-        meta = AttentionMetadata.build(
-            spans, self.block_size, self.device, uniform=self.decode_graph is not None
-        )
+        # the compiled graph runs only batches of one request: only those need its one structure
+        uniform = self.decode_graph is not None and len(spans) == 1
+        meta = AttentionMetadata.build(spans, self.block_size, self.device, uniform)
         hidden = self.model(
             input_ids.to(self.device, non_blocking=True),
             positions.to(self.device, non_blocking=True),

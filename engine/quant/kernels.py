@@ -127,16 +127,16 @@ class Int8DynamicKernel:
     tolerance = 4e-2  # what the self-test allows against bf16 F.linear
 
     def __init__(self, weight: Int8Weight, device: torch.device) -> None:
+        n, k = weight.shape
         scale = weight.scale.double()  # [N]
-        zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+        zeros = torch.zeros(n, dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated: the self-test and
             warnings.simplefilter("ignore")  # the int8 fallback cover their removal
             q = torch._make_per_channel_quantized_tensor(weight.q, scale, zeros, 0)
         self.packed = torch.ops.quantized.linear_prepack(q, None)
         self.handle = _register_packed(self)  # how a compiled graph names the packed weight
-        self.out_features = weight.shape[0]
+        self.out_features = n
         self.row_sums = weight.dequantize(torch.float32).sum(1)  # [N]: W 1
-        n, k = weight.shape
         self.packed_bytes = n * k + 8 * n  # fbgemm's own copy: int8 values, a scale per row
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] float32

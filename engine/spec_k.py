@@ -52,6 +52,9 @@ MAX_PROBE_EVERY = 64
 FREE_CATCH_UP = 8  # tokens the draft model computes in its first forward without asking
 FED_BACK = 2  # rows a drafting request usually adds to the draft's first forward (last + bonus)
 LENGTH_WINDOW = 8  # finished answers whose lower quartile is the typical length
+# A request is expected to run at most this many times the tokens it has produced so far: the
+# window tells how long answers run here, only the request's own tokens tell about this one.
+EVIDENCE_MULTIPLE = 4
 # Drafts are planned only where they are expected to beat plain decoding by this much: the cost model
 # leaves out small per-draft costs (verification, bookkeeping), which all lean toward drafting.
 MIN_GAIN = 1.03
@@ -238,12 +241,16 @@ class OutputLengths:
 
     def remaining(self, produced: int, max_tokens: int) -> float:
         """Tokens left: what the typical answer has left, but at least as many as the request has
-        produced (one that outlives the typical answer is likely a long one), within max_tokens."""
+        produced (one that outlives the typical answer is likely a long one), within max_tokens;
+        and never more than EVIDENCE_MULTIPLE times what it has produced. That cap makes a catch-up
+        on a long prompt wait for a few tokens of evidence: the window's answers may be another
+        kind of request's (summaries after code), and the request ending two tokens later would
+        leave the catch-up a pure loss (spec_grid, first summary after code and chat: 0.28x of
+        plain). A long answer pays for the wait with a step or two of plain decoding."""
         left = float(max_tokens - produced)
         typical = self.typical
-        if typical is None:
-            return left
-        return min(left, max(typical - produced, float(produced)))
+        guess = left if typical is None else max(typical - produced, float(produced))
+        return min(left, guess, float(EVIDENCE_MULTIPLE * max(produced, 1)))
 
 
 class SpecPlanner:

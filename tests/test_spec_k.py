@@ -10,6 +10,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.spec_k import (
+    EVIDENCE_MULTIPLE,
     EXPLORE_DRAFTS,
     MAX_PROBE_EVERY,
     PROBE_EVERY,
@@ -183,7 +184,7 @@ def test_draft_catches_up_only_where_the_rest_of_the_request_pays_for_it() -> No
 
 def test_remaining_length_follows_finished_answers_and_grows_with_a_long_one() -> None:
     lengths = OutputLengths()
-    assert lengths.remaining(produced=1, max_tokens=64) == 63  # nothing finished yet: max_tokens
+    assert lengths.remaining(produced=20, max_tokens=64) == 44  # nothing finished yet: max_tokens
     for _ in range(10):
         lengths.observe(4)  # short answers (summaries)
     assert lengths.remaining(produced=1, max_tokens=64) == 3
@@ -191,13 +192,26 @@ def test_remaining_length_follows_finished_answers_and_grows_with_a_long_one() -
     assert lengths.remaining(produced=60, max_tokens=64) == 4  # never past max_tokens
     for _ in range(10):
         lengths.observe(64, capped=True)  # long answers cut at max_tokens
-    assert lengths.remaining(produced=1, max_tokens=64) == 63
+    assert lengths.remaining(produced=20, max_tokens=64) == 44
     for _ in range(10):
         lengths.observe(1, capped=True)  # priming requests (max_tokens = 1) say nothing of length
-    assert lengths.remaining(produced=1, max_tokens=64) == 63
+    assert lengths.remaining(produced=20, max_tokens=64) == 44
     fresh = OutputLengths()
     fresh.observe(1, capped=True)
     assert fresh.typical is None
+
+
+def test_a_request_is_not_expected_to_outrun_its_own_evidence() -> None:
+    """However long the window's answers, a request that has produced n tokens is expected to
+    have at most EVIDENCE_MULTIPLE * n left: the window may be another kind of request's."""
+    lengths = OutputLengths()
+    assert lengths.remaining(produced=1, max_tokens=64) == EVIDENCE_MULTIPLE
+    for _ in range(8):
+        lengths.observe(64, capped=True)
+    assert lengths.remaining(produced=1, max_tokens=64) == EVIDENCE_MULTIPLE
+    assert lengths.remaining(produced=0, max_tokens=64) == EVIDENCE_MULTIPLE
+    assert lengths.remaining(produced=3, max_tokens=64) == 3 * EVIDENCE_MULTIPLE
+    assert lengths.remaining(produced=30, max_tokens=64) == 34
 
 
 def test_two_short_answers_after_long_ones_stop_the_bet_on_length() -> None:
@@ -208,13 +222,13 @@ def test_two_short_answers_after_long_ones_stop_the_bet_on_length() -> None:
     for _ in range(8):
         lengths.observe(64)
     lengths.observe(2)
-    assert lengths.remaining(produced=1, max_tokens=64) == 63  # one short answer: still long
+    assert lengths.remaining(produced=10, max_tokens=64) == 40  # one short answer: still long
     lengths.observe(6)
-    assert lengths.remaining(produced=1, max_tokens=64) == 5
+    assert lengths.remaining(produced=10, max_tokens=64) == 10  # two: short, so no more than seen
     for n in range(7):
-        assert lengths.remaining(produced=1, max_tokens=64) < 10, n
+        assert lengths.remaining(produced=10, max_tokens=64) == 10, n  # only its own evidence
         lengths.observe(64, capped=True)
-    assert lengths.remaining(produced=1, max_tokens=64) == 63
+    assert lengths.remaining(produced=10, max_tokens=64) == 40
 
 
 def test_a_short_answer_does_not_pay_for_a_catch_up_on_its_prompt() -> None:

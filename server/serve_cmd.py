@@ -9,6 +9,7 @@ A second signal skips the wait.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -129,7 +130,9 @@ def serve(settings: Settings) -> int:
             from engine.parallel.launch import launch
 
             groups.append(launch(config, on_rank_failure))
-        return AsyncLLM.from_config(config, settings.model_name)
+        engine = AsyncLLM.from_config(config, settings.model_name)
+        _freeze_heap()
+        return engine
 
     def on_load_error(exc: BaseException) -> None:
         failed.append(exc)
@@ -159,6 +162,23 @@ def serve(settings: Settings) -> int:
         logging.shutdown()
         os._exit(1)  # skip gloo's teardown, which aborts when a peer is already gone
     return 1 if failed else 0
+
+
+def _freeze_heap() -> None:
+    """Leave the loaded engine's Python objects out of every later garbage collection.
+
+    They live as long as the process (~580,000 of them with the bundled pair), and a full
+    collection walks them all: 630-670 ms measured on this project's CPU host, with the engine's
+    step and the event loop stalled, whenever enough long-lived objects (say, n-gram indexes of
+    long requests) pile up to trigger one. Frozen, a full collection takes under a millisecond.
+    vLLM freezes its start-up heap the same way. Only the server does this: a process that
+    builds and drops engines (the tests) would never free a dropped engine's cycles."""
+    gc.collect()
+    frozen_before = gc.get_freeze_count()
+    gc.freeze()
+    logger.info(
+        "froze %d start-up objects out of garbage collection", gc.get_freeze_count() - frozen_before
+    )
 
 
 def _graceful_server(config: Any, state: Any) -> Any:

@@ -6,18 +6,8 @@ import random
 
 import pytest
 
+from bench.ngram_lookup import scan
 from engine.proposers.ngram import NgramIndex
-
-
-def scan(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Reference: scan right to left for the most recent earlier match of the longest suffix."""
-    length = len(token_ids)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = token_ids[length - n :]
-        for start in range(length - n - 1, -1, -1):
-            if token_ids[start : start + n] == suffix:
-                return token_ids[start + n : start + n + k]
-    return []
 
 
 @pytest.mark.parametrize(("n_min", "n_max", "vocab"), [(1, 3, 5), (2, 4, 4), (2, 4, 50), (3, 3, 3)])

@@ -159,7 +159,13 @@ def test_serve_sigterm_finishes_running_requests(tiny_model_dir: Path, tmp_path:
             proc.kill()
             proc.wait()
     log_text = log_path.read_text()
-    for expected in ("loading target model", f"ready on {url}", "signal"):
+    expected_lines = (
+        "loading target model",
+        "out of garbage collection",
+        f"ready on {url}",
+        "signal",
+    )
+    for expected in expected_lines:
         assert expected in log_text, log_text[-3000:]
 
 

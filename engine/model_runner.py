@@ -119,8 +119,8 @@ class ModelRunner:
             self.kv_caches.append((k, v))
 
     def warm_up(self) -> None:
-        """Compile the decode graph, if any (after allocate_kv_cache). Its forwards write K/V in
-        block 0, which no request owns yet."""
+        """Compile the decode graph, if any (after allocate_kv_cache). Its forwards read block 0
+        and write K/V in block 1, blocks no request owns yet."""
         if self.decode_graph is not None:
             start = self.block_size  # two blocks of context: no size of one to specialize on
             self.decode_graph.warm_up(

@@ -24,7 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 from engine.spec_k import SpecPlanner
-from engine.step_cost import CostCurve, StepCosts, calibrate, calibration_rows
+from engine.step_cost import StepCosts, calibrate, calibration_rows
 
 log = logging.getLogger("specserve.engine")
 
@@ -140,25 +140,29 @@ class LLMEngine:
         logits = self.target.forward(self._verify_inputs(batch.scheduled, proposals))
         stats = self._accept(batch.scheduled, proposals, logits)
         stats.num_preemptions = batch.num_preempted
-        self._observe(time.perf_counter() - started, drafted - planned)
+        self._observe(time.perf_counter() - started, drafted - planned, stats)
         self.last_stats = stats
         return [self._output(item.seq) for item in batch.scheduled if self._has_news(item.seq)]
 
-    def _observe(self, step_seconds: float, propose_seconds: float) -> None:
-        """Feed the step's measured forwards to the cost curves."""
+    def _observe(self, step_seconds: float, propose_seconds: float, stats: StepStats) -> None:
+        """Feed the step's measured forwards to the cost curves (`CostCurve.track`). The target's
+        forward corrects the price of its row count only in a step of decodes (prompt rows need no
+        logits: a cheaper shape), and the curve's level only where it verified no drafts."""
         if self.planner is None:
             return
-        target = self._timed(self.target, self.costs.target)
-        drafts = self._timed(self.draft, self.costs.draft)
-        self.costs.observe_step(step_seconds, sum(target), drafts, propose_seconds)
-
-    @staticmethod
-    def _timed(runner: ModelRunner | None, curve: CostCurve) -> list[float]:
-        """The runner's forwards this step, fed to its cost curve: seconds of each."""
-        times = runner.take_timings() if runner is not None else []
-        for rows, seconds in times:
-            curve.track(rows, seconds)
-        return [seconds for _, seconds in times]
+        target = self.target.take_timings()
+        if not stats.num_prompt_tokens:
+            for rows, seconds in target:
+                self.costs.target.track(rows, seconds, sets_level=not stats.spec.num_draft_tokens)
+        drafts = self.draft.take_timings() if self.draft is not None else []
+        for rows, seconds in drafts:
+            self.costs.draft.track(rows, seconds)
+        self.costs.observe_step(
+            step_seconds,
+            sum(seconds for _, seconds in target),
+            [seconds for _, seconds in drafts],
+            propose_seconds,
+        )
 
     def _ngram_drafts(self, item: ScheduledSeq) -> int:
         """How many drafts an n-gram lookup finds for the request now (0 without an n-gram proposer)."""

@@ -3,8 +3,12 @@ request's decayed acceptance; probes, the draft's catch-up, and the cost curves 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from engine import step_cost
+from engine.model_runner import ForwardInput
 from engine.outputs import RequestTimes
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
@@ -40,6 +44,12 @@ def costs(draft_per_row: float = 0.0) -> StepCosts:
     if draft_per_row:
         for m in range(1, 65):
             c.draft.observe(m, draft_per_row * m)
+    return c
+
+
+def _with_target(curve: CostCurve) -> StepCosts:
+    c = StepCosts()
+    c.target = curve
     return c
 
 
@@ -136,22 +146,70 @@ def test_cost_curve_interpolates_and_extends() -> None:
     assert calibration_rows(20)[:16] == list(range(1, 17)) and calibration_rows(20)[-1] == 16
 
 
-def test_real_forwards_move_the_curves_level_not_the_point_they_hit() -> None:
+def test_real_forwards_move_the_level_so_the_rows_they_skip_do_not_look_free() -> None:
     """Steps of many requests with long contexts cost more than calibration's short ones: they
     scale the whole curve, so the rows next to the one they hit do not start to look free."""
     curve = tiled(max_rows=32)  # 1..4 rows 1 s, 5..8 rows 2 s, ...
     for _ in range(30):
         curve.track(16, 6.0)  # 16 rows calibrated at 4 s run at 6 s
-    assert curve.seconds(16) == pytest.approx(6.0, rel=1e-3)
-    assert curve.seconds(20) - curve.seconds(16) == pytest.approx(1.5, rel=1e-3)  # one more tile
-    assert curve.seconds(4) == pytest.approx(1.5, rel=1e-3)
+    assert curve.seconds(16) == pytest.approx(6.0, rel=1e-2)
+    assert curve.seconds(20) - curve.seconds(16) == pytest.approx(1.5, rel=1e-2)  # one more tile
+    assert curve.seconds(4) == pytest.approx(1.5, rel=1e-2)
     curve.track(500, 1000.0)  # a long prompt chunk, beyond the measured rows: another shape
-    assert curve.seconds(16) == pytest.approx(6.0, rel=1e-3)
+    assert curve.seconds(16) == pytest.approx(6.0, rel=1e-2)
     curve.prompt_rows_from = 24  # from 24 rows on, prompt forwards: measured as they are
     curve.track(28, 100.0)
     assert curve.seconds(28) == pytest.approx(7.0) and curve.seconds(16) == pytest.approx(
-        6.0, rel=1e-3
+        6.0, rel=1e-2
     )
+
+
+def _drafting_steps(calibrated: Callable[[int], float], real: Callable[[int], float]) -> str:
+    """300 steps of 4 requests, one with an n-gram match of 4 drafts, priced by a curve
+    calibrated as `calibrated` while forwards really cost `real`: how many drafts each step took."""
+    curve = CostCurve()
+    for m in range(1, 17):
+        curve.observe(m, calibrated(m))
+    option = [ngram(0, 0.9, 0.8, 0.7, 0.6)]
+    taken = ""
+    for _ in range(300):
+        drafts = plan_step(option, base_rows=4, base_tokens=4, costs=_with_target(curve)).get(0, 0)
+        curve.track(4 + drafts, real(4 + drafts), sets_level=drafts == 0)
+        taken += str(drafts)
+    return taken
+
+
+def test_a_row_count_calibrated_too_cheap_is_corrected_by_its_own_forwards() -> None:
+    """X8's calibration put 4 and 8 target rows at the same cost on a noisy host, so at 4 requests
+    every n-gram draft looked free. The forwards of each wrongly cheap size correct it within a
+    few steps; its record then fades, and it is measured again now and then."""
+    flat = lambda m: 1.0 if m <= 8 else 2.0  # noqa: E731
+    tiles = lambda m: float(-(-m // 4))  # noqa: E731
+    taken = _drafting_steps(calibrated=flat, real=tiles)
+    assert taken[:10].count("0") >= 4 and set(taken[10:50]) == {"0"}
+    assert taken.count("0") >= 290 and set(taken[50:]) != {"0"}
+    assert _drafting_steps(calibrated=flat, real=flat) == "4" * 300  # where they are free: kept
+    # the level of every plain step doubles: the tiles stay what calibration said
+    assert _drafting_steps(calibrated=tiles, real=lambda m: 2 * tiles(m)).count("0") >= 299
+
+
+def test_calibration_takes_the_median_of_its_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of load during one forward moves that round, not the point."""
+    clock = [0.0]
+    monkeypatch.setattr(step_cost.time, "perf_counter", lambda: clock[0])
+
+    class Runner:
+        block_size, vocab_size, calls = 16, 100, 0
+        loaded = type("Loaded", (), {"name": "fake"})
+
+        def forward(self, inputs: list[ForwardInput]) -> None:
+            self.calls += 1
+            rows = len(inputs[0].token_ids)
+            clock[0] += (10.0 if self.calls == 6 else 1.0) * -(-rows // 4)  # one spike
+
+    curve = CostCurve()
+    step_cost.calibrate(curve, Runner(), calibration_rows(24), num_blocks=64)  # type: ignore[arg-type]
+    assert [curve.points[m] for m in (1, 4, 5, 8, 16, 24)] == [1, 1, 2, 2, 4, 6]
 
 
 def _planner() -> SpecPlanner:

@@ -44,9 +44,13 @@ class Mode:
     adaptive: bool = False
 
 
-def modes_of(ks: list[int], proposers: list[str], adaptive_k: int) -> list[Mode]:
+def modes_of(
+    ks: list[int], proposers: list[str], adaptive_k: int, other_ceilings: tuple[int, ...] = ()
+) -> list[Mode]:
+    """plain, adaptive (the config's ceiling), adaptive under each other ceiling, the fixed modes."""
     fixed = [Mode(f"{p} k={k}", p, k) for p in proposers for k in ks]
-    return [Mode("plain", "none", 0), Mode("adaptive", "hybrid", adaptive_k, True), *fixed]
+    others = [Mode(f"adaptive k≤{k}", "hybrid", k, True) for k in other_ceilings if k != adaptive_k]
+    return [Mode("plain", "none", 0), Mode("adaptive", "hybrid", adaptive_k, True), *others, *fixed]
 
 
 class Switch:
@@ -115,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--ks", default="2,4,6")
     ap.add_argument("--proposers", default="draft,ngram,hybrid")
+    ap.add_argument(
+        "--adaptive-ks", default="", help="more k ceilings for the planner, beside the config's"
+    )
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -127,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     ks = [int(k) for k in csv_list(args.ks)]
     config = settings.engine_config()
     adaptive_k = config.speculative.num_speculative_tokens
-    spec = replace(config.speculative, num_speculative_tokens=max([*ks, adaptive_k]))
+    ceilings = tuple(int(k) for k in csv_list(args.adaptive_ks))
+    spec = replace(config.speculative, num_speculative_tokens=max([*ks, *ceilings, adaptive_k]))
     engine = LLMEngine(replace(config, speculative=spec))
     switch = Switch(engine)
-    modes = modes_of(ks, csv_list(args.proposers), adaptive_k)
+    modes = modes_of(ks, csv_list(args.proposers), adaptive_k, ceilings)
     loads = [int(c) for c in csv_list(args.concurrency)]
     prompts = {
         c: [token_ids(engine, p) for p in load_category(c, args.num_prompts, {}, args.seed)]
@@ -215,7 +223,7 @@ def table(rows: list[dict[str, object]], modes: list[str], loads: list[int]) -> 
         for c in loads:
             row = {m: cells[(category, c, m)] for m in modes}
             speed = {m: float(r["speedup"]) for m, r in row.items()}  # type: ignore[arg-type]
-            fixed = [v for m, v in speed.items() if m not in ("plain", "adaptive")]
+            fixed = [v for m, v in speed.items() if m != "plain" and not m.startswith("adaptive")]
             best = max(fixed, default=1.0)
             marks = " | ".join(_cell(row[m]) for m in modes)
             lines.append(f"| {category} | {c} | {marks} | {speed['adaptive'] / best:.2f} |")

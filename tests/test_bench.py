@@ -513,6 +513,17 @@ def test_spec_grid_modes_and_table() -> None:
     ]
     text = table(rows, names, [1])
     assert "| code | 1 | 1.00 | 1.20 | 1.50 | 0.80 | 0.90 | 1.00 | 0.80 |" in text  # 1.2 / 1.5
+    more = modes_of([2], ["draft"], adaptive_k=3, other_ceilings=(3, 4))
+    assert [(m.name, m.k, m.adaptive) for m in more[1:3]] == [
+        ("adaptive", 3, True),
+        ("adaptive k≤4", 4, True),
+    ]
+    rows4 = [
+        *rows[:3],
+        {"category": "code", "concurrency": 1, "mode": "adaptive k≤4", "speedup": 1.6},
+    ]
+    names4 = ["plain", "adaptive", "adaptive k≤4", "draft k=2"]
+    assert "| 1.60 | 1.50 | 0.80 |" in table(rows4, names4, [1])  # not a fixed mode: 1.2 / 1.5
     rows[1] |= {"drafted": 40, "accepted": 30}  # a mode that drafted shows its acceptance
     assert "| code | 1 | 1.00 | 1.20 (0.75) | 1.50 |" in table(rows, names, [1])
 

@@ -22,6 +22,7 @@ tokens must not pay for a catch-up on its whole prompt.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from engine.structured import FORCED_SOURCE
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledSeq
     from engine.sequence import Sequence
+
+log = logging.getLogger("specserve.planner")
 
 DECAY = 0.8  # per observation: a request's text changes character within tens of tokens
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the global acceptance behind a fresh estimate
@@ -340,6 +343,14 @@ class SpecPlanner:
                 draft[0], lag, remaining, base_rows, batch_size
             ):
                 draft = None
+            else:
+                log.debug(
+                    "%s: draft catch-up of %d tokens may pay (%.0f tokens expected left, %d rows)",
+                    seq.request_id,
+                    lag,
+                    remaining,
+                    base_rows,
+                )
         if ngram and (
             draft is None or self._ngram_pays_more(ngram[0], draft[0], base_rows, batch_size)
         ):

@@ -155,13 +155,14 @@ class LLMEngine:
             for rows, seconds in target:
                 self.costs.target.track(rows, seconds, sets_level=not stats.spec.num_draft_tokens)
         drafts = self.draft.take_timings() if self.draft is not None else []
-        log.debug(
-            "step %.3f s: target (rows, s) %s, draft %s, %d drafted",
-            step_seconds,
-            [(rows, round(s, 3)) for rows, s in target],
-            [(rows, round(s, 3)) for rows, s in drafts],
-            stats.spec.num_draft_tokens,
-        )
+        if log.isEnabledFor(logging.DEBUG):  # every step: build the lists only when logged
+            log.debug(
+                "step %.3f s: target (rows, s) %s, draft %s, %d drafted",
+                step_seconds,
+                [(rows, round(s, 3)) for rows, s in target],
+                [(rows, round(s, 3)) for rows, s in drafts],
+                stats.spec.num_draft_tokens,
+            )
         for rows, seconds in drafts:
             self.costs.draft.track(rows, seconds)
         self.costs.observe_step(

@@ -8,9 +8,10 @@ no mode pays a model load or sees another machine: `plain` (no drafts), `adaptiv
 ceiling k from the config) and one fixed mode per proposer and k (that many drafts every step, no
 planning). A round is `concurrency` prompts started together; each round runs every mode back to
 back, in an order that reverses every round, and each prompt is first put in both models' prefix
-caches (`prime`) so that no mode measures a prefill or a draft catch-up another skipped. Every mode's answers reach the planner's
-answer-length window, as every answer does in a server. Cells report each mode's output tokens
-per second over plain's, the median over rounds (greedy, so every mode emits the same tokens).
+caches (`prime`) so that no mode measures a prefill or a draft catch-up another skipped. Every
+mode's answers reach the planner's answer-length window, as every answer does in a server. Cells
+report each mode's output tokens per second over plain's, the median over rounds (greedy, so every
+mode emits the same tokens).
 This is an engine-level companion to `specserve bench` (no HTTP, no streaming): it answers
 "which configuration would have been best here" at a cost a 2-core machine can pay.
 """
@@ -147,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     total = sum(-(-max(len(ps), c) // c) for ps in prompts.values() for c in loads) * len(modes)
     with tqdm(total=total, desc="grid", unit="run") as bar:
-        switch.set(modes[0])
         for category, ids in prompts.items():
             bar.set_postfix_str(f"priming {category}")
             prime(engine, switch, ids)

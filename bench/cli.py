@@ -76,6 +76,12 @@ def add_parser(sub: Any) -> None:
         type=int,
         help="peers run only the first N prompts of each category (default: all)",
     )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="an A/A run: the spec mode's requests decode plainly too, so its 'speedup' is the "
+        "noise between two paired rounds of identical work on this host",
+    )
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument(
         "--no-prime",

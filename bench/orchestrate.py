@@ -88,7 +88,7 @@ async def sweep(
             requests_per_measurement(ps, load) for ps in prompts.values() for load in loads
         )
         with tqdm(total=total, desc="requests", unit="req") as bar:
-            runner = Runner(client, settings, args.max_concurrency, bar)
+            runner = Runner(client, settings, args.max_concurrency, bar, args.control)
             if not args.no_warmup:
                 await runner.warmup(next(iter(prompts.values()))[0])
             measurements = []
@@ -224,6 +224,7 @@ def write_outputs(
         "ignore_eos": args.ignore_eos,
         "repeats": args.repeats,
         "num_prompts": args.num_prompts,
+        **({"control": "A/A: both modes decode plainly"} if args.control else {}),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
         **server_meta(args),
     }

@@ -36,13 +36,17 @@ def _order(rows: list[Row]) -> tuple[list[str], list[str]]:
 
 
 def speedup_table(rows: list[Row]) -> list[str]:
+    """Median speedup per cell; with several repeats, their range in brackets."""
     categories, loads = _order(rows)
     spec = {(r["category"], r["load"]): r for r in rows if r["mode"] == "spec"}
-    body = [
-        [c] + [_fmt(spec.get((c, load), {}).get("speedup_vs_plain")) + "x" for load in loads]
-        for c in categories
-    ]
+    body = [[c] + [_speedup_cell(spec.get((c, load), {})) for load in loads] for c in categories]
     return _table(["category", *loads], body)
+
+
+def _speedup_cell(row: Row) -> str:
+    cell = _fmt(row.get("speedup_vs_plain")) + "x"
+    each = [v for v in row.get("speedup_vs_plain_per_repeat") or [] if v is not None]
+    return cell + (f" ({min(each):.2f}-{max(each):.2f})" if len(each) > 1 else "")
 
 
 def category_table(rows: list[Row], category: str) -> list[str]:
@@ -98,7 +102,16 @@ def peer_table(peers: list[Row]) -> list[str]:
 def write_report(path: Path, rows: list[Row], peers: list[Row], meta: dict[str, Any]) -> None:
     lines = ["# specserve bench", ""]
     lines += [f"- {k}: `{v}`" for k, v in meta.items()]
-    lines += ["", "## Speedup (speculative tokens/s over plain tokens/s, same prompts)", ""]
+    title = "Speedup (speculative tokens/s over plain tokens/s, same prompts)"
+    if meta.get("control"):
+        title = "A/A control (both modes decode plainly: the ratio is the host's noise)"
+    lines += [
+        "",
+        f"## {title}",
+        "",
+        "Median over repeats; with several, their range in brackets.",
+        "",
+    ]
     lines += speedup_table(rows)
     for category in _order(rows)[0]:
         lines += ["", f"## {category}", ""] + category_table(rows, category)

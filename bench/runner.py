@@ -94,8 +94,10 @@ class Runner:
         settings: RequestSettings,
         max_concurrency: int | None = None,
         progress: tqdm | None = None,
+        control: bool = False,  # A/A: the spec mode's requests are sent plain too
     ) -> None:
         self.client = client
+        self.control = control
         self.settings = settings
         self.max_concurrency = max_concurrency
         self.progress = progress
@@ -112,7 +114,7 @@ class Runner:
     async def _run_round(self, rnd: Round, run: ModeRun) -> None:
         before = await scrape(self.client)
         start = time.perf_counter()
-        spec = run.mode == "spec"
+        spec = run.mode == "spec" and not self.control
         if rnd.offsets_s is None:
             tasks = [self._send(p, spec) for p in rnd.prompts]
         else:

@@ -354,6 +354,27 @@ def test_bench_request_rate_and_repeats(
         assert row["num_requests"] == 2
 
 
+def test_control_run_sends_both_modes_plain(
+    tmp_path: Path, fake_server: tuple[str, FakeServer]
+) -> None:
+    url, fake = fake_server
+    code, _ = _write_datasets(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--base-url", url, "--dataset", f"code={code}", "--concurrency", "1"]
+    argv += ["--num-prompts", "2", "--max-tokens", "6", "--repeats", "2", "--control"]
+    assert _bench(argv + ["--out", str(out)]) == 0
+    assert {mode for mode, _ in fake.seen} == {"plain"} and len(fake.seen) == 2 * 2 * 2
+    rows = json.loads((out / "results.json").read_text())
+    spec = next(r for r in rows if r["mode"] == "spec")
+    assert spec["acceptance_rate"] is None  # nothing drafted: the fake only drafts when asked
+    assert 0.5 < spec["speedup_vs_plain"] < 2.0  # the same work both ways (the fake's pacing)
+    report = (out / "report.md").read_text()
+    assert "## A/A control" in report
+    low, high = (f"{f(spec['speedup_vs_plain_per_repeat']):.2f}" for f in (min, max))
+    assert f"x ({low}-{high})" in report  # each cell shows its repeats' range
+    assert json.loads((out / "meta.json").read_text())["control"].startswith("A/A")
+
+
 def test_launch_starts_waits_and_stops(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

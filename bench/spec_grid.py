@@ -45,13 +45,29 @@ class Mode:
     adaptive: bool = False
 
 
+CONTROL = "plain again"
+
+
 def modes_of(
-    ks: list[int], proposers: list[str], adaptive_k: int, other_ceilings: tuple[int, ...] = ()
+    ks: list[int],
+    proposers: list[str],
+    adaptive_k: int,
+    other_ceilings: tuple[int, ...] = (),
+    control: bool = False,
 ) -> list[Mode]:
-    """plain, adaptive (the config's ceiling), adaptive under each other ceiling, the fixed modes."""
+    """plain, adaptive (the config's ceiling), adaptive under each other ceiling, the fixed modes,
+    and with `control` plain once more, last: its ratio to the first plain is the host's noise
+    between the two ends of a round."""
     fixed = [Mode(f"{p} k={k}", p, k) for p in proposers for k in ks]
     others = [Mode(f"adaptive k≤{k}", "hybrid", k, True) for k in other_ceilings if k != adaptive_k]
-    return [Mode("plain", "none", 0), Mode("adaptive", "hybrid", adaptive_k, True), *others, *fixed]
+    again = [Mode(CONTROL, "none", 0)] if control else []
+    return [
+        Mode("plain", "none", 0),
+        Mode("adaptive", "hybrid", adaptive_k, True),
+        *others,
+        *fixed,
+        *again,
+    ]
 
 
 class Switch:
@@ -123,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--adaptive-ks", default="", help="more k ceilings for the planner, beside the config's"
     )
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help=f"add a '{CONTROL}' column: plain decoding measured twice, the noise floor",
+    )
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -139,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = replace(config.speculative, num_speculative_tokens=max([*ks, *ceilings, adaptive_k]))
     engine = LLMEngine(replace(config, speculative=spec))
     switch = Switch(engine)
-    modes = modes_of(ks, csv_list(args.proposers), adaptive_k, ceilings)
+    modes = modes_of(ks, csv_list(args.proposers), adaptive_k, ceilings, args.control)
     loads = [int(c) for c in csv_list(args.concurrency)]
     prompts = {
         c: [token_ids(engine, p) for p in load_category(c, args.num_prompts, {}, args.seed)]
@@ -234,7 +255,7 @@ def table(rows: list[dict[str, object]], modes: list[str], loads: list[int]) -> 
         for c in loads:
             row = {m: cells[(category, c, m)] for m in modes}
             speed = {m: float(r["speedup"]) for m, r in row.items()}  # type: ignore[arg-type]
-            fixed = [v for m, v in speed.items() if m != "plain" and not m.startswith("adaptive")]
+            fixed = [v for m, v in speed.items() if not m.startswith(("plain", "adaptive"))]
             best = max(fixed, default=1.0)
             marks = " | ".join(_cell(row[m]) for m in modes)
             lines.append(f"| {category} | {c} | {marks} | {speed['adaptive'] / best:.2f} |")

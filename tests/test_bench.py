@@ -547,6 +547,14 @@ def test_spec_grid_modes_and_table() -> None:
     assert "| 1.60 | 1.50 | 0.80 |" in table(rows4, names4, [1])  # not a fixed mode: 1.2 / 1.5
     rows[1] |= {"drafted": 40, "accepted": 30}  # a mode that drafted shows its acceptance
     assert "| code | 1 | 1.00 | 1.20 (0.75) | 1.50 |" in table(rows, names, [1])
+    control = modes_of([2], ["draft"], adaptive_k=3, control=True)
+    assert [(m.name, m.proposer, m.k) for m in control][-1] == ("plain again", "none", 0)
+    rows_aa = [
+        *rows[:3],
+        {"category": "code", "concurrency": 1, "mode": "plain again", "speedup": 1.3},
+    ]
+    names_aa = ["plain", "adaptive", "draft k=2", "plain again"]
+    assert "| 1.30 | 0.80 |" in table(rows_aa, names_aa, [1])  # the control is no fixed mode
 
 
 def test_draft_vocab_coverage_counts_stop_ids_as_covered() -> None:

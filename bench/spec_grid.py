@@ -11,7 +11,8 @@ back, in an order that reverses every round, and each prompt is first put in bot
 caches (`prime`) so that no mode measures a prefill or a draft catch-up another skipped. Every
 mode's answers reach the planner's answer-length window, as every answer does in a server. Cells
 report each mode's output tokens per second over plain's, the median over rounds (greedy, so every
-mode emits the same tokens).
+mode emits the same tokens). `--control` adds a `plain again` column, plain decoding measured a
+second time at the far end of each round: the spread a mode's ratio needs to exceed.
 This is an engine-level companion to `specserve bench` (no HTTP, no streaming): it answers
 "which configuration would have been best here" at a cost a 2-core machine can pay.
 """

@@ -359,3 +359,26 @@ def test_gguf_raw_blocks_match_the_dequantized_conversion(
     converted = _logits(str(path), "none", "float32", ids)  # bf16-rounded dequantized weights
     assert _rel(ours, converted) < 0.02  # bf16 roundings: Q4_K scales here, weights in `none`
     assert (ours.argmax(-1) == converted.argmax(-1)).float().mean().item() >= 0.95
+
+
+def test_activation_passes_bench_switches_the_named_matrices_only(tiny_dir: Path) -> None:
+    """bench.activation_passes: one pass on the named kinds of matrix changes the logits, and
+    two passes everywhere gives back exactly the served model's."""
+    from bench.activation_passes import dynamic_kernels, set_one_pass
+
+    runner = ModelRunner(load_model(str(tiny_dir), "w8a8"), "cpu", "bfloat16", 4)
+    runner.allocate_kv_cache(32)
+    ids = list(range(3, 40))
+
+    def logits() -> torch.Tensor:
+        return runner.forward([ForwardInput(ids, 0, list(range(32)), len(ids))])
+
+    kernels = dynamic_kernels(runner)
+    assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} <= set(kernels)
+    served = logits()
+    set_one_pass(kernels, {"down_proj"})
+    assert all(k.passes == 1 for k in kernels["down_proj"])
+    assert all(k.passes == 2 for k in kernels["gate_up_proj"])
+    assert not torch.equal(logits(), served)
+    set_one_pass(kernels, set())
+    torch.testing.assert_close(logits(), served, rtol=0, atol=0)

@@ -15,17 +15,15 @@ import argparse
 import math
 import statistics
 import sys
-import time
 
 import torch
 
 from bench.datasets import load_category
+from bench.quant_forward import forward_ms
 from bench.quant_quality import Scored, reference_scores, score, token_ids
 from engine.loader import load_model
-from engine.model_runner import ForwardInput, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.quant.kernels import Int8DynamicKernel
-
-_CACHED = 64  # tokens in the KV cache before the timed rows
 
 
 def dynamic_kernels(runner: ModelRunner) -> dict[str, list[Int8DynamicKernel]]:
@@ -42,17 +40,6 @@ def set_one_pass(kernels: dict[str, list[Int8DynamicKernel]], kinds: set[str]) -
     for kind, group in kernels.items():
         for kernel in group:
             kernel.passes = 1 if kind in kinds else 2  # an instance attribute over the class's
-
-
-def forward_ms(runner: ModelRunner, rows: int, repeats: int) -> float:
-    ids = [(1000 + i) % runner.vocab_size for i in range(rows)]
-    table = list(range(-(-(_CACHED + rows) // runner.block_size)))
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        runner.forward([ForwardInput(ids, _CACHED, table, rows)])
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
 
 
 def main(argv: list[str] | None = None) -> int:

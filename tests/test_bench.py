@@ -337,16 +337,20 @@ def test_bench_against_fake_server(tmp_path: Path, fake_server: tuple[str, FakeS
             assert row["acceptance_rate"] is None
 
 
-def test_bench_request_rate_and_repeats(
-    tmp_path: Path, fake_server: tuple[str, FakeServer]
-) -> None:
-    url, fake = fake_server
+def _bench_code_twice(tmp_path: Path, url: str, *flags: str) -> Path:
+    """The bench on two code prompts at c = 1, six tokens, two repeats, and `flags`."""
     code, _ = _write_datasets(tmp_path)
     out = tmp_path / "out"
     argv = ["--base-url", url, "--dataset", f"code={code}", "--concurrency", "1"]
-    argv += ["--request-rate", "50", "--num-prompts", "2", "--max-tokens", "6", "--repeats", "2"]
-    argv += ["--ignore-eos", "--out", str(out)]
-    assert _bench(argv) == 0
+    argv += ["--num-prompts", "2", "--max-tokens", "6", "--repeats", "2", *flags]
+    assert _bench([*argv, "--out", str(out)]) == 0
+    return out
+
+
+def test_bench_request_rate_and_repeats(
+    tmp_path: Path, fake_server: tuple[str, FakeServer]
+) -> None:
+    out = _bench_code_twice(tmp_path, fake_server[0], "--request-rate", "50", "--ignore-eos")
     rows = json.loads((out / "results.json").read_text())
     assert {r["load"] for r in rows} == {"c=1", "rate=50"}
     for row in rows:
@@ -358,11 +362,7 @@ def test_control_run_sends_both_modes_plain(
     tmp_path: Path, fake_server: tuple[str, FakeServer]
 ) -> None:
     url, fake = fake_server
-    code, _ = _write_datasets(tmp_path)
-    out = tmp_path / "out"
-    argv = ["--base-url", url, "--dataset", f"code={code}", "--concurrency", "1"]
-    argv += ["--num-prompts", "2", "--max-tokens", "6", "--repeats", "2", "--control"]
-    assert _bench(argv + ["--out", str(out)]) == 0
+    out = _bench_code_twice(tmp_path, url, "--control")
     assert {mode for mode, _ in fake.seen} == {"plain"} and len(fake.seen) == 2 * 2 * 2
     rows = json.loads((out / "results.json").read_text())
     spec = next(r for r in rows if r["mode"] == "spec")

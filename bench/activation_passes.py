@@ -12,15 +12,13 @@ The first row is always `w8a8` as served (every matrix two passes).
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 
 import torch
 
-from bench.datasets import load_category
 from bench.quant_forward import forward_ms
-from bench.quant_quality import Scored, reference_scores, score, token_ids
+from bench.quant_quality import agreement, perplexity, quality_prompts, reference_scores, score
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.quant.kernels import Int8DynamicKernel
@@ -52,10 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, "w8a8")
-    code, chat = load_category("code", 200, {}), load_category("chat", 200, {})
-    seqs = token_ids(
-        [p for pair in zip(code, chat, strict=False) for p in pair], loaded, args.positions
-    )
+    seqs = quality_prompts(loaded, args.positions)
     ref = reference_scores(loaded, seqs)
     runner = ModelRunner(loaded, "cpu", "bfloat16", 16)
     kernels = dynamic_kernels(runner)
@@ -68,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     quality: dict[str, tuple[float, float]] = {}
     for name, kinds in variants.items():
         set_one_pass(kernels, kinds)
-        quality[name] = _quality(score(runner, seqs, name), ref)
+        ours = score(runner, seqs, name)
+        quality[name] = agreement(ours, ref), perplexity(ours) / perplexity(ref) - 1
     times: dict[tuple[str, int], list[float]] = {(n, m): [] for n in variants for m in (1, 4)}
     for done in range(args.rounds):
         print(f"timing round {done + 1}/{args.rounds}", file=sys.stderr)
@@ -83,11 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         one, four = (statistics.median(times[name, m]) for m in (1, 4))
         print(f"| {name} | {agree:.2%} | {ppl:+.2%} | {one:.0f} | {four:.0f} | {four / one:.2f} |")
     return 0
-
-
-def _quality(ours: Scored, ref: Scored) -> tuple[float, float]:
-    agree = (ours.top1 == ref.top1).float().mean().item()
-    return agree, math.exp(ours.nll.mean().item() - ref.nll.mean().item()) - 1
 
 
 if __name__ == "__main__":

@@ -58,6 +58,22 @@ def token_ids(prompts: list[Prompt], loaded: LoadedModel, positions: int) -> lis
     return out
 
 
+def quality_prompts(loaded: LoadedModel, positions: int) -> list[list[int]]:
+    """HumanEval and MT-Bench prompts, alternating, tokenized until `positions` next tokens."""
+    code, chat = load_category("code", 200, {}), load_category("chat", 200, {})
+    prompts = [p for pair in zip(code, chat, strict=False) for p in pair]
+    return token_ids(prompts, loaded, positions)
+
+
+def agreement(ours: Scored, ref: Scored) -> float:
+    """The share of positions where both models' greedy picks agree."""
+    return (ours.top1 == ref.top1).float().mean().item()
+
+
+def perplexity(scored: Scored) -> float:
+    return math.exp(scored.nll.mean().item())
+
+
 def score(runner: ModelRunner, seqs: list[list[int]], label: str) -> Scored:
     runner.allocate_kv_cache(512 // runner.block_size + 1)
     top1, nll = [], []
@@ -108,15 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"{args.model}: not a GGUF file; the reference is its float32 dequantization"
         )
-    code, chat = load_category("code", 200, {}), load_category("chat", 200, {})
-    prompts = [p for pair in zip(code, chat, strict=False) for p in pair]  # alternate the two
-    seqs = token_ids(prompts, quantized, args.positions)
+    seqs = quality_prompts(quantized, args.positions)
     print(f"{len(seqs)} prompts, {sum(len(s) - 1 for s in seqs)} positions", file=sys.stderr)
     ref = reference_scores(quantized, seqs)
     runner = ModelRunner(quantized, "cpu", args.dtype, 16)
     ours = score(runner, seqs, f"{runner.weights.label} ({args.dtype})")
-    agree = (ours.top1 == ref.top1).float().mean().item()
-    ppl_ref, ppl = math.exp(ref.nll.mean().item()), math.exp(ours.nll.mean().item())
+    agree = agreement(ours, ref)
+    ppl_ref, ppl = perplexity(ref), perplexity(ours)
     print(
         f"model {args.model}: {runner.weights.label}, {runner.weights.weight_bytes / 2**30:.2f} GiB"
     )

@@ -19,9 +19,9 @@ import torch
 
 from bench.quant_forward import forward_ms
 from bench.quant_quality import agreement, perplexity, quality_prompts, reference_scores, score
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.quant.kernels import Int8DynamicKernel
+from engine.model.loader import load_model
+from engine.model.quant.kernels import Int8DynamicKernel
+from engine.model.runner import ModelRunner
 
 
 def dynamic_kernels(runner: ModelRunner) -> dict[str, list[Int8DynamicKernel]]:

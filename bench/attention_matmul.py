@@ -1,7 +1,7 @@
 """A decode step of many requests with the short-query attention's matmuls in bf16 against float32.
 
 On a CPU without native bf16 dot products (AVX2) the engine runs those matmuls in float32
-(`engine/attention.py`). This times a whole target forward both ways in one process, rounds
+(`engine/model/attention.py`). This times a whole target forward both ways in one process, rounds
 interleaved, for batches of decodes (one row each) and of verifies (k + 1 rows each) at a given
 context, the shape of a loaded server's steps:
 
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from engine import attention
-from engine.loader import load_model
-from engine.model_runner import ForwardInput, ModelRunner
+from engine.model import attention
+from engine.model.loader import load_model
+from engine.model.runner import ForwardInput, ModelRunner
 
 
 def batch(requests: int, rows: int, context: int, block_size: int) -> list[ForwardInput]:

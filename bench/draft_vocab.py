@@ -15,11 +15,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.cli import csv_list
-from bench.datasets import load_category
+from bench.serving.datasets import load_category
+from bench.serving.options import csv_list
 from bench.spec_grid import token_ids
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.sample.sampling_params import SamplingParams
 
 
 def coverage(tokens: list[int], size: int, stops: frozenset[int]) -> float:

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.model.loader import load_model
+from engine.sample.sampling_params import SamplingParams
 
 PROMPT = (
     "Write a Python module that implements a thread-safe LRU cache with a time-to-live for each "

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from engine.quant.formats import quantize_int4, quantize_int8
-from engine.quant.kernels import (
+from engine.model.quant.formats import quantize_int4, quantize_int8
+from engine.model.quant.kernels import (
     Int4CpuKernel,
     Int8DynamicFastKernel,
     Int8DynamicKernel,

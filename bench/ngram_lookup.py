@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 
-from engine.proposers.ngram import NgramIndex
+from engine.spec_decode.proposers.ngram import NgramIndex
 
 
 def scan(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:

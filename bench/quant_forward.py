@@ -22,8 +22,8 @@ from dataclasses import replace
 
 import torch
 
-from engine.loader import load_model
-from engine.model_runner import ForwardInput, ModelRunner
+from engine.model.loader import load_model
+from engine.model.runner import ForwardInput, ModelRunner
 
 _CACHED = 64  # tokens already in the KV cache when the measured rows are computed
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.datasets import Prompt, load_category
+from bench.serving.datasets import Prompt, load_category
 from engine.config import QUANTIZATIONS
-from engine.loader import LoadedModel, cache_root, load_model
-from engine.model_runner import ForwardInput, ModelRunner
+from engine.model.loader import LoadedModel, cache_root, load_model
+from engine.model.runner import ForwardInput, ModelRunner
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class _ExactGguf(LoadedModel):
     """The GGUF's weights dequantized to float32 by gguf's reference code, as plain tensors."""
 
     def iter_weights(self):  # type: ignore[no-untyped-def, override]
-        from engine.quant.gguf_weights import read_gguf_weights
+        from engine.model.quant.gguf_weights import read_gguf_weights
 
         assert self.gguf_file is not None
         yield from read_gguf_weights(self.gguf_file, self.hf_config, exact=True)

@@ -28,14 +28,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.cli import csv_list
-from bench.datasets import Prompt, load_category
-from engine.llm_engine import LLMEngine
-from engine.proposers import HybridProposer, Proposer
-from engine.proposers.forced import ForcedDraftProposer
-from engine.sampling_params import SamplingParams
+from bench.serving.datasets import Prompt, load_category
+from bench.serving.options import csv_list
+from engine.core.llm_engine import LLMEngine
+from engine.sample.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.spec_k import SpecPlanner
+from engine.spec_decode.planner import SpecPlanner
+from engine.spec_decode.proposers import HybridProposer, Proposer
+from engine.spec_decode.proposers.forced import ForcedDraftProposer
 
 
 @dataclass(frozen=True)

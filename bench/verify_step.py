@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.rejection_sampler import verify, verify_batch
-from engine.sampler import processed_probs, verification_histories
-from engine.sampling_params import SamplingParams
+from engine.sample.sampler import processed_probs, verification_histories
+from engine.sample.sampling_params import SamplingParams
+from engine.spec_decode.rejection_sampler import verify, verify_batch
 
 CASES: list[tuple[str, SamplingParams, bool]] = [
     ("greedy, n-gram drafts", SamplingParams(temperature=0.0), False),

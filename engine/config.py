@@ -35,14 +35,14 @@ class SpeculativeConfig:
     # above this many running requests every request decodes plainly (0 = never disable).
     disable_by_batch_size: int = 0
     # Plan each step's drafts from measured forward costs and each request's acceptance
-    # (engine/spec_k.py); off: every request drafts its k every step.
+    # (engine/spec_decode/planner.py); off: every request drafts its k every step.
     adaptive: bool = True
     # Draft model: stop drafting a request once the draft's probability for its pick falls below this.
     draft_p_min: float = 0.0
     # Draft model: propose only from the first this many token ids (its head scores no others);
     # None: the whole vocabulary. See DecoderModel.limit_head.
     draft_vocab_size: int | None = None
-    # Draft model: run one request's decode through a torch.compile'd graph (engine/decode_graph.py).
+    # Draft model: run one request's decode through a torch.compile'd graph (engine/model/decode_graph.py).
     draft_compile: bool = False
 
     def __post_init__(self) -> None:

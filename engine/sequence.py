@@ -1,4 +1,6 @@
-"""One request's tokens and progress through the engine. Only the scheduler changes its state."""
+"""One request's tokens and progress through the engine, and what the scheduler hands the other
+layers for a step (`ScheduledSeq`, `SchedulerOutput`). Only the scheduler changes a `Sequence`'s state.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestTimes, SpecStats, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.spec_k import RequestSpecState
-from engine.structured import ConstraintState
+from engine.sample.detokenizer import IncrementalDetokenizer
+from engine.sample.sampling_params import SamplingParams
+from engine.sample.structured import ConstraintState
+from engine.spec_decode.acceptance import RequestSpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -49,7 +51,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_done: bool = False
     first_output_sent: bool = False
-    # The grammar matcher and logit_bias (engine/structured.py), advanced by emitted tokens only
+    # The grammar matcher and logit_bias (engine/sample/structured.py), advanced by emitted tokens only
     constraint: ConstraintState | None = None
 
     def __post_init__(self) -> None:
@@ -89,3 +91,30 @@ class Sequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and not self.prompt_logprobs_done
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # known tokens to compute: seq.token_ids[num_computed : num_computed + n]
+    num_spec_tokens: int  # draft slots reserved after them (0 unless the chunk reaches the end)
+    spec_k: dict[str, int] = field(default_factory=dict)  # proposer -> drafts it may propose
+
+    def k_for(self, proposer: str) -> int:
+        return min(self.spec_k.get(proposer, 0), self.num_spec_tokens)
+
+    @property
+    def reaches_end(self) -> bool:
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """How many of this step's known tokens are prompt tokens (the rest recompute outputs)."""
+        remaining = self.seq.num_prompt_tokens - self.seq.num_computed_tokens
+        return max(0, min(remaining, self.num_new_tokens))
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    num_preempted: int

@@ -20,18 +20,16 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine import structured
+from engine.sample import structured
 from server.errors import RETRY_AFTER, APIError, bad_request, not_ready
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    ModelWeights,
     TokenizeRequest,
 )
+from server.protocol_out import ModelCard, ModelList, ModelWeights
 from server.request_body import parse_json
 from server.serving import ClientDisconnected, OpenAIServing, Stream, as_api_error
 from server.serving_chat import OpenAIServingChat
@@ -39,7 +37,7 @@ from server.serving_completion import OpenAIServingCompletion
 from server.settings import Settings
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncLLM
+    from engine.core.async_engine import AsyncLLM
 
 logger = logging.getLogger("specserve.server")
 OPEN_PATHS = ("/health", "/live", "/metrics")

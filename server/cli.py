@@ -8,8 +8,8 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     # Subcommand modules import heavy libraries (torch, transformers) only inside their handlers.
-    from bench import cli as bench_cli
-    from engine import bundled
+    from bench.serving import cli as bench_cli
+    from engine.model import bundled
     from server import serve_cmd
 
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)

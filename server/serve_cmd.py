@@ -91,7 +91,8 @@ def load_settings(config: str | None, flags: dict[str, Any]) -> Settings:
 def serve(settings: Settings) -> int:
     import uvicorn
 
-    from engine.parallel.launch import torchrun_rank, torchrun_worker
+    from engine.model.parallel.launch import torchrun_rank
+    from engine.model.parallel.worker import torchrun_worker
     from server.app import create_app
 
     rank = torchrun_rank()
@@ -123,11 +124,11 @@ def serve(settings: Settings) -> int:
                 settings.ngram_min,
                 settings.ngram_max,
             )
-        from engine.async_engine import AsyncLLM
+        from engine.core.async_engine import AsyncLLM
 
         config = settings.engine_config()
         if config.tensor_parallel_size > 1:
-            from engine.parallel.launch import launch
+            from engine.model.parallel.launch import launch
 
             groups.append(launch(config, on_rank_failure))
         engine = AsyncLLM.from_config(config, settings.model_name)

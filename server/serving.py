@@ -19,18 +19,19 @@ import anyio
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from engine import structured
 from engine.outputs import RequestOutput, SpecStats, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.structured import Constraints
+from engine.sample import structured
+from engine.sample.sampling_params import SamplingParams
+from engine.sample.structured import Constraints
 from server.errors import APIError, bad_request, not_ready
 from server.metrics import Metrics
-from server.protocol import GrammarRequest, SamplingFields, SpecDecodeSummary, UsageInfo, now
+from server.protocol import GrammarRequest, SamplingFields, now
+from server.protocol_out import SpecDecodeSummary, UsageInfo
 from server.settings import Settings
 from server.tool_parser import tool_tags_as_tokens
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncLLM
+    from engine.core.async_engine import AsyncLLM
 
 logger = logging.getLogger("specserve.server")
 MAX_CHOICES = 256

@@ -9,11 +9,11 @@ from starlette.requests import Request
 
 from engine.outputs import RequestOutput, TokenLogprob
 from server.errors import bad_request
-from server.protocol import (
+from server.protocol import ChatCompletionRequest, TokenizeRequest, ToolCall, random_id
+from server.protocol_out import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
@@ -21,10 +21,7 @@ from server.protocol import (
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
-    TokenizeRequest,
-    ToolCall,
     TopLogprob,
-    random_id,
 )
 from server.serving import (
     Choice,

@@ -8,13 +8,8 @@ from starlette.requests import Request
 
 from engine.outputs import RequestOutput, TokenLogprob
 from server.errors import bad_request
-from server.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    random_id,
-)
+from server.protocol import CompletionRequest, random_id
+from server.protocol_out import CompletionChoice, CompletionLogprobs, CompletionResponse
 from server.serving import (
     Choice,
     Job,

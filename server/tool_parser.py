@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.structured import JSON_OPTIONS
+from engine.sample.structured import JSON_OPTIONS
 
 START, END = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')

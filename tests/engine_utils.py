@@ -11,8 +11,8 @@ from scipy import stats
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.sample.sampling_params import SamplingParams
 
 _HF_CACHE: dict[str, torch.nn.Module] = {}
 

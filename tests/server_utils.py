@@ -19,7 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.outputs import RequestOutput, RequestTimes, SpecStats, StepStats
-from engine.sampling_params import SamplingParams
+from engine.sample.sampling_params import SamplingParams
 
 
 def free_port() -> int:
@@ -185,7 +185,7 @@ class RealServer:
 @contextmanager
 def real_server(model_dir: Path, **settings_kwargs: Any) -> Iterator[RealServer]:
     """The real AsyncLLM on the tiny model behind a live server (float32, n-gram speculation)."""
-    from engine.async_engine import AsyncLLM
+    from engine.core.async_engine import AsyncLLM
     from server.app import create_app
     from server.settings import Settings
 

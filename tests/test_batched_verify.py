@@ -12,12 +12,17 @@ from engine_utils import greedy, hf_greedy, hf_model, make_engine, random_prompt
 from scipy import stats
 from torch import Tensor
 
-from engine import rejection_sampler, sampler
 from engine.config import SpeculativeConfig
 from engine.outputs import TokenLogprob
-from engine.rejection_sampler import SpecDecodeMetadata, verify, verify_batch
-from engine.sampler import processed_probs, verification_histories, verification_penalty_pairs
-from engine.sampling_params import SamplingParams
+from engine.sample import sampler
+from engine.sample.sampler import (
+    processed_probs,
+    verification_histories,
+    verification_penalty_pairs,
+)
+from engine.sample.sampling_params import SamplingParams
+from engine.spec_decode import rejection_sampler
+from engine.spec_decode.rejection_sampler import SpecDecodeMetadata, verify, verify_batch
 
 V = 40
 

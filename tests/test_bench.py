@@ -20,10 +20,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from bench import cli as bench_cli
-from bench import datasets
-from bench.client import RequestSettings, request_body
-from bench.server_metrics import parse_spec_counters
+from bench.serving import cli as bench_cli
+from bench.serving import datasets
+from bench.serving.client import RequestSettings, request_body
+from bench.serving.server_metrics import parse_spec_counters
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -140,7 +140,7 @@ def test_parse_spec_counters() -> None:
 
 
 def test_rounds_cycle_prompts_and_alternate_modes() -> None:
-    from bench.runner import Load, mode_order, rounds_for
+    from bench.serving.runner import Load, mode_order, rounds_for
 
     prompts = [datasets.Prompt("c", f"p{i}", prompt=str(i)) for i in range(3)]
     rounds = rounds_for(prompts, Load(concurrency=2), seed=0)
@@ -382,7 +382,7 @@ def test_launch_starts_waits_and_stops(
     import subprocess
     import sys
 
-    from bench import launcher
+    from bench.serving import launcher
 
     script = tmp_path / "fake_serve.py"
     script.write_text(
@@ -419,7 +419,7 @@ def test_launch_starts_waits_and_stops(
 
 
 def test_launch_reports_a_server_that_dies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from bench import launcher
+    from bench.serving import launcher
 
     monkeypatch.setattr(
         launcher, "serve_command", lambda *a: ["python3", "-c", "print('no model here'); exit(3)"]

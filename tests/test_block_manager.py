@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 
 BS = 4
 

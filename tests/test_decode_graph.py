@@ -1,4 +1,4 @@
-"""The compiled decode graph (engine/decode_graph.py): where it runs, that it computes what the eager
+"""The compiled decode graph (engine/model/decode_graph.py): where it runs, that it computes what the eager
 layers do, that speculation stays lossless through it, and that whatever it cannot do runs
 eagerly. Compiling takes tens of seconds on 2 cores, so each module builds its runners once."""
 
@@ -13,9 +13,9 @@ import torch
 from engine_utils import greedy, make_engine, outputs, random_prompts
 
 from engine.config import SpeculativeConfig
-from engine.decode_graph import DecodeGraph
-from engine.loader import load_model
-from engine.model_runner import ForwardInput, ModelRunner
+from engine.model.decode_graph import DecodeGraph
+from engine.model.loader import load_model
+from engine.model.runner import ForwardInput, ModelRunner
 
 BLOCK = 16
 TABLE = list(range(8))  # 128 tokens of context, blocks 0-7

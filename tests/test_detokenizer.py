@@ -12,7 +12,7 @@ from tiny import _CORPUS, build_tiny_tokenizer
 from tokenizers import Tokenizer, models, normalizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.sample.detokenizer import IncrementalDetokenizer
 
 # Characters the tiny tokenizer saw (merged tokens) and never saw (split into byte tokens).
 PIECES = [

@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
 
-from engine.sampling_params import SamplingParams
+from engine.sample.sampling_params import SamplingParams
 
 MAX_TOKENS = 10
 

@@ -10,9 +10,9 @@ import torch
 from tiny import make_tiny_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import bundled
-from engine.loader import load_model
-from engine.model_runner import ForwardInput, ModelRunner
+from engine.model import bundled
+from engine.model.loader import load_model
+from engine.model.runner import ForwardInput, ModelRunner
 
 TEXT = "naïve café 日本語 😀 def f(x): return x"
 

@@ -11,9 +11,9 @@ import torch
 from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from engine import attention
-from engine.loader import LoadedModel, load_model
-from engine.model_runner import ForwardInput, ModelRunner
+from engine.model import attention
+from engine.model.loader import LoadedModel, load_model
+from engine.model.runner import ForwardInput, ModelRunner
 
 ATOL = 1e-4
 BLOCK_SIZE = 4

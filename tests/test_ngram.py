@@ -7,7 +7,7 @@ import random
 import pytest
 
 from bench.ngram_lookup import scan
-from engine.proposers.ngram import NgramIndex
+from engine.spec_decode.proposers.ngram import NgramIndex
 
 
 @pytest.mark.parametrize(("n_min", "n_max", "vocab"), [(1, 3, 5), (2, 4, 4), (2, 4, 50), (3, 3, 3)])

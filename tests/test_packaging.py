@@ -227,7 +227,7 @@ def test_config_validates_with_the_server_settings(path: Path, clean_env: None) 
 
 
 def test_default_config_is_the_bundled_pair(clean_env: None) -> None:
-    from engine import bundled
+    from engine.model import bundled
 
     settings = Settings.load(ROOT / "configs" / "default.yaml")
     assert settings.speculative_method == "hybrid"

@@ -15,19 +15,19 @@ from engine_utils import greedy, make_engine, outputs, random_prompts
 from tiny import _gguf_hparams, _gguf_tokenizer, make_tiny_model
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.loader import load_model
-from engine.model_runner import ForwardInput, ModelRunner
-from engine.quant import kernels
-from engine.quant.formats import Int4Weight, Int8Weight, quantize_int4, quantize_int8
-from engine.quant.gguf_weights import _DEQUANTIZE, q4_k_to_int4
-from engine.quant.kernels import (
+from engine.model.loader import load_model
+from engine.model.quant import kernels
+from engine.model.quant.formats import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from engine.model.quant.gguf_weights import _DEQUANTIZE, q4_k_to_int4
+from engine.model.quant.kernels import (
     DenseKernel,
     Int8DynamicFastKernel,
     Int8DynamicKernel,
     Int8Kernel,
     make_kernel,
 )
-from engine.quant.linear import QuantEmbedding, to_format
+from engine.model.quant.linear import QuantEmbedding, to_format
+from engine.model.runner import ForwardInput, ModelRunner
 
 CPU = torch.device("cpu")
 # Round-to-nearest error of a Gaussian matrix, ||W_q - W|| / ||W||: int4 at group 32 and int8

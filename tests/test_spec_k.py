@@ -7,27 +7,28 @@ from collections.abc import Callable
 
 import pytest
 
-from engine import step_cost
-from engine.model_runner import ForwardInput
+from engine.model.runner import ForwardInput
 from engine.outputs import RequestTimes
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
-from engine.spec_k import (
-    EVIDENCE_MULTIPLE,
-    EXPLORE_DRAFTS,
+from engine.sample.sampling_params import SamplingParams
+from engine.sequence import ScheduledSeq, Sequence
+from engine.spec_decode import step_cost
+from engine.spec_decode.acceptance import (
     MAX_PROBE_EVERY,
     PROBE_EVERY,
     AcceptanceEstimate,
-    DraftOption,
-    OutputLengths,
     ProposerTrack,
     RequestSpecState,
-    SpecPlanner,
-    plan_step,
     reach,
 )
-from engine.step_cost import CostCurve, StepCosts, calibration_rows
+from engine.spec_decode.planner import (
+    EVIDENCE_MULTIPLE,
+    EXPLORE_DRAFTS,
+    DraftOption,
+    OutputLengths,
+    SpecPlanner,
+    plan_step,
+)
+from engine.spec_decode.step_cost import CostCurve, StepCosts, calibration_rows
 
 
 def tiled(tile: int = 4, per_tile: float = 1.0, max_rows: int = 64) -> CostCurve:

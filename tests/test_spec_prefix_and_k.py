@@ -9,11 +9,11 @@ import pytest
 from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
 
 from engine.config import SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from engine.proposers import Proposal
-from engine.scheduler import ScheduledSeq
-from engine.spec_k import PROBE_K
-from engine.step_cost import CostCurve
+from engine.core.llm_engine import LLMEngine
+from engine.sequence import ScheduledSeq
+from engine.spec_decode.planner import PROBE_K
+from engine.spec_decode.proposers import Proposal
+from engine.spec_decode.step_cost import CostCurve
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,10 @@ def test_prefix_served_plainly_first_keeps_full_acceptance(
     # from them with nothing to catch up on, and still accepts everything.
     again = engine.generate([shared + [4, 6]], greedy(16))[0]
     assert again.num_cached_tokens == 44 and again.spec.acceptance_rate == 1.0
-    assert engine.block_manager.num_draft_computed(engine.block_manager.match_prefix(shared)) > 0
+    assert (
+        engine.block_manager.num_draft_computed(engine.block_manager.match_prefix(shared))
+        > 0
+    )
 
 
 def test_full_acceptance_after_preemption_and_recompute(tiny_model_dir: Path, vocab: int) -> None:

@@ -12,7 +12,6 @@ import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
@@ -32,13 +31,13 @@ from server_utils import real_server
 from tiny import build_tiny_tokenizer
 from transformers import AutoTokenizer
 
-from engine import structured
 from engine.config import SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from engine.proposers import Proposal
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.structured import Constraints, grammar_from
+from engine.core.llm_engine import LLMEngine
+from engine.sample import structured
+from engine.sample.sampling_params import SamplingParams
+from engine.sample.structured import Constraints, grammar_from
+from engine.sequence import ScheduledSeq
+from engine.spec_decode.proposers import Proposal
 
 SCHEMA = {
     "type": "object",
@@ -150,7 +149,7 @@ class FuzzProposer:
         k = min(item.num_spec_tokens, self.rng.randint(0, 6))
         if k == 0:
             return Proposal.empty()
-        legal = structured.forced_tokens(item.seq, k)  # sometimes propose the right thing
+        legal = structured.forced_tokens(item.seq.constraint, k)  # sometimes propose the right thing
         drafts = [legal[i] if i < len(legal) and self.rng.random() < 0.5 else self.rng.randrange(self.vocab) for i in range(k)]  # fmt: skip
         gen = torch.Generator().manual_seed(self.rng.randrange(1 << 30))
         probs = torch.rand((k, self.vocab), generator=gen)
@@ -319,7 +318,7 @@ def test_masks_follow_the_drafts_and_roll_back(tokenizer: object) -> None:
         assert allowed[i, token]
     assert not allowed[len(yes), bad]
     assert torch.equal(allowed[-1], allowed[-2])  # past the refused draft: a copy, never empty
-    assert structured.cut_drafts(SimpleNamespace(constraint=state), [*yes, bad]) == yes  # type: ignore[arg-type]
+    assert structured.cut_drafts(state, [*yes, bad]) == yes
     assert state.matcher.validate_tokens(yes) == len(yes)  # rolled back to the start
 
 
@@ -417,10 +416,10 @@ def test_gguf_padding_tokens_are_masked(tmp_path: Path) -> None:
     state = structured.new_state(Constraints(grammar=grammar_from("regex", r"[\[\]A-Z0-9]*")), tokenizer)  # fmt: skip
     assert state is not None and state.matcher is not None
     logits = torch.zeros((1, len(tokenizer) + 20))
-    rows = structured.constrain_rows(SimpleNamespace(constraint=state), logits, [])  # type: ignore[arg-type]
+    rows = structured.constrain_rows(state, logits, [])
     assert torch.isinf(rows[0, real:]).all() and torch.isfinite(rows[0, :real]).any()
     bias_only = structured.new_state(Constraints(logit_bias=((5, 1.0),)), tokenizer)
-    rows = structured.constrain_rows(SimpleNamespace(constraint=bias_only), logits, [])  # type: ignore[arg-type]
+    rows = structured.constrain_rows(bias_only, logits, [])
     assert torch.isinf(rows[0, real:]).all() and rows[0, 5] == 1.0
 
 

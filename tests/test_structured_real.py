@@ -58,7 +58,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
-    from engine.async_engine import AsyncLLM
+    from engine.core.async_engine import AsyncLLM
     from server.app import create_app
     from server.settings import Settings
 

@@ -23,13 +23,13 @@ from server_utils import free_port
 from tiny import make_tiny_model
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.model_runner import ForwardInput, ModelRunner
-from engine.models.decoder import DecoderShape
-from engine.parallel.layers import check_shardable, local_shape, shard_decoder
-from engine.parallel.state import TensorParallel
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.model.decoder import DecoderShape
+from engine.model.loader import load_model
+from engine.model.parallel.layers import check_shardable, local_shape, shard_decoder
+from engine.model.parallel.state import TensorParallel
+from engine.model.runner import ForwardInput, ModelRunner
+from engine.sample.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [

@@ -1,0 +1,478 @@
+"""LLMEngine: schedule, propose, verify, accept, emit."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.model.loader import check_same_vocab, load_model
+from engine.model.runner import ForwardInput, ModelRunner
+from engine.outputs import RequestOutput, RequestTimes, SpecStats, StepStats, TokenLogprob
+from engine.sample import structured
+from engine.sample.detokenizer import IncrementalDetokenizer
+from engine.sample.sampler import emitted_logprobs, logprobs_of
+from engine.sample.sampling_params import SamplingParams
+from engine.sequence import ScheduledSeq, Sequence
+from engine.spec_decode.planner import SpecPlanner
+from engine.spec_decode.proposers import (
+    DraftModelProposer,
+    HybridProposer,
+    NgramProposer,
+    NoProposer,
+    Proposal,
+    Proposer,
+)
+from engine.spec_decode.proposers.forced import ForcedDraftProposer
+from engine.spec_decode.rejection_sampler import verify_batch
+from engine.spec_decode.step_cost import StepCosts, calibrate, calibration_rows
+
+log = logging.getLogger("specserve.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        log.info("loading target model %s", config.model)
+        self.target = ModelRunner(
+            load_model(config.model, config.quantization),
+            config.device,
+            config.dtype,
+            config.block_size,
+        )
+        self.tokenizer = self.target.tokenizer
+        self.max_model_len = min(config.max_model_len or 1 << 30, self.target.max_model_len)
+        self.eos_token_ids = frozenset(self.target.eos_token_ids)
+        self.draft: ModelRunner | None = None
+        spec = config.speculative
+        self.costs = StepCosts()
+        self.planner = (
+            SpecPlanner(spec.proposers, self.costs) if spec.enabled and spec.adaptive else None
+        )
+        self.proposer: Proposer = ForcedDraftProposer(self._build_proposer())
+        num_blocks = self._num_kv_blocks()
+        for runner in self._runners():
+            runner.allocate_kv_cache(num_blocks)
+            runner.warm_up()
+        if self.planner is not None:
+            self._calibrate(num_blocks)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.planner)
+        self.seqs: dict[str, Sequence] = {}
+        self.last_stats: StepStats | None = None
+        log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
+
+    # ---- public API ------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        self.validate(prompt_token_ids, params)
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        k = self.config.speculative.num_speculative_tokens if self.config.speculative.enabled else 0
+        if params.num_speculative_tokens is not None:
+            k = min(k, params.num_speculative_tokens)
+        stop = params.stop
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            times=RequestTimes(arrival=time.monotonic()),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, list(prompt_token_ids), stop, params.skip_special_tokens
+            ),
+            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+            num_speculative_tokens=k,
+            constraint=structured.new_state(params.constraints, self.tokenizer),
+        )
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request this engine can never serve."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.target.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.constraints is not None and any(
+            not 0 <= t < vocab for t, _ in params.constraints.logit_bias
+        ):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"is {total}, beyond the context window of {self.max_model_len} tokens"
+            )
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt plus max_tokens ({total} tokens) exceeds the KV cache")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if self.planner is not None:
+            self.planner.plan(batch.scheduled, self._ngram_drafts)
+        planned = time.perf_counter()
+        proposals = self.proposer.propose(batch.scheduled)
+        drafted = time.perf_counter()
+        logits = self.target.forward(self._verify_inputs(batch.scheduled, proposals))
+        stats = self._accept(batch.scheduled, proposals, logits)
+        stats.num_preemptions = batch.num_preempted
+        self._observe(time.perf_counter() - started, drafted - planned, stats)
+        self.last_stats = stats
+        return [self._output(item.seq) for item in batch.scheduled if self._has_news(item.seq)]
+
+    def _observe(self, step_seconds: float, propose_seconds: float, stats: StepStats) -> None:
+        """Feed the step's measured forwards to the cost curves (`CostCurve.track`). The target's
+        forward corrects the price of its row count only in a step of decodes (prompt rows need no
+        logits: a cheaper shape), and the curve's level only where it verified no drafts."""
+        if self.planner is None:
+            return
+        target = self.target.take_timings()
+        if not stats.num_prompt_tokens:
+            for rows, seconds in target:
+                self.costs.target.track(rows, seconds, sets_level=not stats.spec.num_draft_tokens)
+        drafts = self.draft.take_timings() if self.draft is not None else []
+        if log.isEnabledFor(logging.DEBUG):  # every step: build the lists only when logged
+            log.debug(
+                "step %.3f s: target (rows, s) %s, draft %s, %d drafted",
+                step_seconds,
+                [(rows, round(s, 3)) for rows, s in target],
+                [(rows, round(s, 3)) for rows, s in drafts],
+                stats.spec.num_draft_tokens,
+            )
+        for rows, seconds in drafts:
+            self.costs.draft.track(rows, seconds)
+        self.costs.observe_step(
+            step_seconds,
+            sum(seconds for _, seconds in target),
+            [seconds for _, seconds in drafts],
+            propose_seconds,
+        )
+
+    def _ngram_drafts(self, item: ScheduledSeq) -> int:
+        """How many drafts an n-gram lookup finds for the request now (0 without an n-gram proposer)."""
+        ngram = self._ngram
+        return len(ngram.propose_one(item).token_ids) if ngram is not None else 0
+
+    def _calibrate(self, num_blocks: int) -> None:
+        """Measure each model's step cost against its rows before any request runs: the target up
+        to the rows of a full drafting step, the draft also up to a step's token budget, the size
+        of its catch-ups on prompts, as prompt forwards (one logit): extrapolated from decode
+        rows, each with its logits, a catch-up was priced at twice its cost."""
+        k = self.config.speculative.num_speculative_tokens
+        step_rows = self.config.max_num_seqs * (k + 1)
+        catch_up_rows = max(step_rows, self.config.max_num_batched_tokens)
+        log.info(
+            "measuring step costs (target forwards at 1..%d rows, draft at 1..%d)",
+            step_rows,
+            catch_up_rows,
+        )
+        for runner, curve, max_rows in (
+            (self.target, self.costs.target, step_rows),
+            (self.draft, self.costs.draft, catch_up_rows),
+        ):
+            if runner is not None:
+                rows = calibration_rows(max_rows)
+                calibrate(curve, runner, rows, num_blocks, prompt_rows_from=step_rows + 1)
+                runner.timings = []
+
+    def generate(
+        self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Sequence]:
+        """Run prompts to completion (offline use and tests); returns the finished sequences."""
+        prompts = list(prompts)
+        per = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, per, strict=True):
+            self.add_request(rid, prompt, p)
+        seqs = [self.seqs[rid] for rid in ids]
+        while any(not seq.is_finished for seq in seqs):
+            self.step()
+        return seqs
+
+    # ---- the speculative step --------------------------------------------------------------
+
+    def _verify_inputs(
+        self, batch: list[ScheduledSeq], proposals: list[Proposal]
+    ) -> list[ForwardInput]:
+        """The target sees each request's new tokens plus its drafts, all in one ragged forward."""
+        inputs = []
+        for item, proposal in zip(batch, proposals, strict=True):
+            seq, start = item.seq, item.seq.num_computed_tokens
+            known = seq.token_ids[start : start + item.num_new_tokens]
+            num_logits = _num_logits(item, proposal)
+            inputs.append(
+                ForwardInput(known + proposal.token_ids, start, seq.block_table, num_logits)
+            )
+        return inputs
+
+    def _accept(
+        self,
+        batch: list[ScheduledSeq],
+        proposals: list[Proposal],
+        logits: torch.Tensor,  # [sum(num_logits), vocab_size]
+    ) -> StepStats:
+        verified = self._verify(batch, proposals, logits)
+        spec, num_prompt, num_emitted, offset = SpecStats(), 0, 0, 0
+        for item, proposal, (tokens, logprobs) in zip(batch, proposals, verified, strict=True):
+            rows = logits[offset : offset + _num_logits(item, proposal)]  # [num_logits, vocab_size]
+            offset += rows.shape[0]
+            num_prompt += item.num_prompt_tokens
+            num_emitted += self._accept_one(item, proposal, rows, tokens, logprobs, spec)
+        spec.num_emitted_tokens = num_emitted
+        queried, hit = self.block_manager.take_lookup_stats()
+        return StepStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_prompt_tokens=num_prompt,
+            num_generation_tokens=num_emitted,
+            spec=spec,
+            prefix_cache_queries=queried,
+            prefix_cache_hits=hit,
+            num_preemptions=0,
+            spec_k_chosen=[item.num_spec_tokens for item in batch if item.reaches_end],
+        )
+
+    def _verify(
+        self,
+        batch: list[ScheduledSeq],
+        proposals: list[Proposal],
+        logits: torch.Tensor,  # [sum(num_logits), vocab_size]
+    ) -> list[tuple[list[int], list[TokenLogprob] | None]]:
+        """One batched verification of every request whose chunk reaches the end: the tokens each
+        emits (none for a prompt chunk) and their logprobs where asked."""
+        # p = the target's processed probs at each draft position plus the bonus one; q = the draft's.
+        # Accept x_i with prob min(1, p(x_i) / q(x_i)); at the first rejection the recovered token is
+        # drawn from norm(max(0, p - q)); if all k pass, the bonus token is drawn from p. Greedy:
+        # accept while x_i == argmax p. Either way the emitted tokens follow p exactly.
+        ends = [i for i, item in enumerate(batch) if item.reaches_end]
+        verified: list[tuple[list[int], list[TokenLogprob] | None]] = [([], None)] * len(batch)
+        if not ends:
+            return verified
+        target_logits = _verify_rows(batch, proposals, logits)  # [num_tokens, vocab_size]
+        vocab_size = target_logits.shape[1]
+        seqs = [batch[i].seq for i in ends]
+        drafts = [proposals[i].token_ids for i in ends]
+        constrained = structured.constrain_verify_rows(
+            [s.constraint for s in seqs], target_logits, drafts
+        )
+        tokens = verify_batch(
+            constrained,
+            drafts,
+            [self._match_vocab(proposals[i].probs, vocab_size) for i in ends],
+            [seq.params for seq in seqs],
+            [seq.output_token_ids if seq.params.has_penalties else [] for seq in seqs],
+            [seq.generator for seq in seqs],
+        )
+        logprobs = emitted_logprobs(
+            [seq.params.logprobs for seq in seqs], target_logits, drafts, tokens
+        )
+        for j, i in enumerate(ends):
+            verified[i] = (tokens[j], logprobs[j])
+        return verified
+
+    def _accept_one(
+        self,
+        item: ScheduledSeq,
+        proposal: Proposal,
+        rows: torch.Tensor,  # [num_logits, vocab_size]: prompt positions (echo), then k + 1 verify rows
+        tokens: list[int],  # accepted drafts + the recovered or bonus token; [] for a prompt chunk
+        logprobs: list[TokenLogprob] | None,  # one per token where asked
+        step_spec: SpecStats,
+    ) -> int:
+        """Record one request's verified tokens; returns the tokens emitted."""
+        seq, k = item.seq, len(proposal.token_ids)
+        if seq.wants_prompt_logprobs:
+            self._record_prompt_logprobs(seq, rows[: item.num_new_tokens])
+        if not item.reaches_end:  # a prompt chunk: nothing to sample yet
+            self.scheduler.update_from_output(item, 0, proposal.num_draft_computed, proposal.source)
+            return 0
+        num_accepted = len(tokens) - 1
+        seq.spec.add(k, num_accepted, proposal.source)
+        step_spec.add(k, num_accepted, proposal.source)
+        num_emitted, stop = self._append(seq, tokens, logprobs)
+        self.scheduler.update_from_output(
+            item, num_accepted, proposal.num_draft_computed, proposal.source
+        )
+        if stop is not None:
+            self.scheduler.finish(seq, *stop)
+        return num_emitted
+
+    # ---- accepting tokens and stops --------------------------------------------------------
+
+    def _append(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None
+    ) -> tuple[int, tuple[str, int | str | None] | None]:
+        """Append an accepted run token by token; a stop inside the run cuts it there.
+        Returns the tokens appended and the stop (finish reason, stop reason) if one was hit."""
+        now = time.monotonic()
+        if seq.times.first_token is None:
+            seq.times.first_token = now
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            seq.pending_token_ids.append(token)
+            if logprobs is not None:
+                seq.pending_logprobs.append(logprobs[i])
+            stop = self._stop(seq, token)
+            if stop is not None:
+                return i + 1, stop
+        return len(tokens), None
+
+    def _stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
+        params = seq.params
+        stop_string = seq.detokenizer.append(token)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop", None
+        if token in params.stop_token_ids:
+            return "stop", token
+        if stop_string is not None:
+            return "stop", stop_string
+        if structured.advance(seq.constraint, token):  # the grammar is complete
+            return "stop", None
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    def _record_prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> None:
+        """rows[j] is the forward at position start + j: it scores the prompt token after it."""
+        start = seq.num_computed_tokens
+        targets = [p + 1 for p in range(start, start + rows.shape[0])]
+        keep = [
+            j
+            for j, t in enumerate(targets)
+            if len(seq.prompt_logprobs) <= t < seq.num_prompt_tokens
+        ]
+        if keep:
+            ids = [seq.token_ids[targets[j]] for j in keep]
+            seq.prompt_logprobs.extend(
+                logprobs_of(rows[keep], ids, seq.params.prompt_logprobs or 0)
+            )
+        if len(seq.prompt_logprobs) >= seq.num_prompt_tokens:
+            seq.prompt_logprobs_done = True
+
+    @staticmethod
+    def _match_vocab(probs: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+        """Draft and target may pad their embeddings differently; the tokenizer is the same."""
+        if probs is None or probs.shape[-1] == vocab_size:
+            return probs
+        if probs.shape[-1] > vocab_size:
+            return probs[:, :vocab_size]
+        return torch.nn.functional.pad(probs, (0, vocab_size - probs.shape[-1]))
+
+    # ---- outputs ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _has_news(seq: Sequence) -> bool:
+        return bool(seq.pending_token_ids) or seq.is_finished
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        first = not seq.first_output_sent
+        seq.first_output_sent = True
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=seq.pending_token_ids,
+            new_text=seq.detokenizer.pop_delta(seq.is_finished),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            spec=seq.spec,
+            times=seq.times,
+            step_time=time.monotonic(),
+            new_logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs
+            if first and seq.params.prompt_logprobs is not None
+            else None,
+            prompt_token_ids=seq.prompt_token_ids if first else None,
+        )
+        seq.pending_token_ids, seq.pending_logprobs = [], []
+        if seq.is_finished:
+            self.seqs.pop(seq.request_id, None)
+        return out
+
+    # ---- construction ----------------------------------------------------------------------
+
+    def _build_proposer(self) -> Proposer:
+        spec = self.config.speculative
+        self._ngram = NgramProposer(spec) if "ngram" in spec.proposers else None
+        if spec.method == "ngram":
+            return self._ngram  # type: ignore[return-value]
+        if spec.method not in ("draft", "hybrid"):
+            return NoProposer()
+        assert spec.draft_model is not None
+        log.info("loading draft model %s", spec.draft_model)
+        loaded = load_model(spec.draft_model, self.config.draft_quantization)
+        check_same_vocab(self.tokenizer, loaded.tokenizer)
+        self.draft = ModelRunner(
+            loaded,
+            self.config.device,
+            self.config.dtype,
+            self.config.block_size,
+            head_rows=spec.draft_vocab_size,
+            compile_decode=spec.draft_compile,
+        )
+        draft = DraftModelProposer(self.draft, spec.draft_p_min)
+        return draft if self._ngram is None else HybridProposer(self._ngram, draft)
+
+    def _runners(self) -> list[ModelRunner]:
+        return [self.target] if self.draft is None else [self.target, self.draft]
+
+    def _num_kv_blocks(self) -> int:
+        """Target and draft share block ids, so one block costs both pools' bytes."""
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        per_block = sum(runner.kv_bytes_per_block for runner in self._runners())
+        budget = self.config.kv_cache_gib * (1 << 30)
+        if self.config.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info()
+            budget = free * self.config.gpu_memory_utilization
+        return max(1, int(budget // per_block))
+
+
+def _num_logits(item: ScheduledSeq, proposal: Proposal) -> int:
+    """Rows of target logits a request needs: every prompt position when it wants prompt logprobs,
+    else the last one where its chunk reaches the end; plus one per draft."""
+    base = item.num_new_tokens if item.seq.wants_prompt_logprobs else int(item.reaches_end)
+    return base + len(proposal.token_ids)
+
+
+def _verify_rows(
+    batch: list[ScheduledSeq],
+    proposals: list[Proposal],
+    logits: torch.Tensor,  # [sum(num_logits), vocab_size]
+) -> torch.Tensor:  # [num_tokens, vocab_size]: the last k + 1 rows of each request reaching the end
+    rows, offset = [], 0
+    for item, proposal in zip(batch, proposals, strict=True):
+        offset += _num_logits(item, proposal)
+        if item.reaches_end:
+            rows.extend(range(offset - len(proposal.token_ids) - 1, offset))
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]  # the usual case: no copy
+    return logits[rows]

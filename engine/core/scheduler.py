@@ -1,0 +1,200 @@
+"""Continuous batching: FCFS admission, token and sequence budgets, chunked prefill, preemption.
+
+There are no prefill and decode phases: each running request schedules the tokens it has not computed
+yet (a prompt chunk, or its last sampled token) plus room for up to k speculative tokens once its chunk
+reaches the end of the known tokens. When blocks run out the newest running request is preempted and
+later recomputed from scratch; nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.sample import structured
+from engine.sequence import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
+from engine.spec_decode.planner import SpecPlanner
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        planner: SpecPlanner | None = None,
+    ) -> None:
+        self.config = config
+        self.planner = planner
+        self.blocks = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        num_preempted = 0
+        step_k = self._step_k()
+        # Running requests first (decodes before prefills, so a long prompt never stalls them).
+        for seq in sorted(list(self.running), key=lambda s: s.num_uncomputed_tokens > 1):
+            if seq not in self.running or budget <= 0:
+                continue
+            item = self._plan(seq, budget, step_k)
+            while not self.blocks.grow(seq.block_table, self._positions(item)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                num_preempted += 1
+                budget += sum(_cost(s) for s in scheduled if s.seq is victim)  # hand it back
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            scheduled.append(item)
+            budget -= _cost(item)
+        scheduled = [s for s in scheduled if s.seq.status == SequenceStatus.RUNNING]
+        # Then admit waiting requests, oldest first, while budgets and blocks allow; not in a step
+        # that had to preempt (blocks are short: admitting now would only preempt again).
+        while (
+            not num_preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            item = self._admit(self.waiting[0], budget, step_k)
+            if item is None:
+                break
+            self.waiting.popleft()
+            scheduled.append(item)
+            budget -= _cost(item)
+        return SchedulerOutput(scheduled, num_preempted)
+
+    def update_from_output(
+        self, item: ScheduledSeq, num_accepted: int, num_draft_computed: int | None, proposer: str
+    ) -> None:
+        """The one place a request's progress advances after a step. Rejected drafts are rolled
+        back by not counting them: only the accepted drafts' K/V count as computed."""
+        seq = item.seq
+        seq.num_computed_tokens += item.num_new_tokens + num_accepted
+        if num_draft_computed is not None:
+            seq.num_draft_computed_tokens = num_draft_computed
+        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+        if self.planner is not None and item.reaches_end:
+            self.planner.observe(seq.spec_state, proposer, item.k_for(proposer), num_accepted)
+        self._cache_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark a request finished (stop, length, abort) and return its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.times.finished = time.monotonic()
+        if self.planner is not None:
+            self.planner.finished(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.block_table)
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Share computed full blocks; flag those whose draft K/V are computed too."""
+        self.blocks.cache_full_blocks(
+            seq.token_ids, seq.block_table, seq.block_hashes, seq.num_computed_tokens
+        )
+        seq.num_draft_cached_blocks = self.blocks.mark_draft_computed(
+            seq.block_table, seq.num_draft_cached_blocks, seq.num_draft_computed_tokens
+        )
+
+    def _step_k(self) -> int:
+        """The most drafts any request may get this step (its own k caps it further)."""
+        spec = self.config.speculative
+        limit = spec.disable_by_batch_size
+        if not spec.enabled or (limit and len(self.running) > limit):
+            return 0
+        return spec.num_speculative_tokens
+
+    def _plan(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq:
+        n = min(seq.num_uncomputed_tokens, budget)
+        item = ScheduledSeq(seq, n, 0)
+        if not item.reaches_end:
+            return item
+        # Room left: the final emitted token is always the target's own, so at most
+        # max_tokens - outputs - 1 drafts, and never past the context window.
+        room = min(
+            seq.params.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+            budget - n,
+        )
+        names = self.config.speculative.proposers
+        k = self._request_k(seq, step_k)
+        item.spec_k = {name: max(0, min(k, room)) for name in names} if k else {}
+        if item.num_prompt_tokens > 0 and seq.num_tokens - seq.num_draft_computed_tokens > 32:
+            # No draft-model forward in the step that finishes a long prompt: the draft would prefill
+            # it first and delay the first token. It catches up in the next step instead.
+            item.spec_k.pop("draft", None)
+        # Tokens the grammar forces are free, always-right drafts: room for them whatever k says.
+        forced = structured.forced_tokens(seq.constraint, min(seq.num_speculative_tokens, room))
+        if forced:
+            item.spec_k[structured.FORCED_SOURCE] = len(forced)
+        item.num_spec_tokens = max(item.spec_k.values(), default=0)
+        return item
+
+    def _request_k(self, seq: Sequence, step_k: int) -> int:
+        """The most drafts this request may get this step, from any proposer (the planner picks
+        how many it does get); a seeded sampled request keeps its own k."""
+        if seq.params.seeded_sampling:
+            return seq.num_speculative_tokens
+        return min(seq.num_speculative_tokens, step_k)
+
+    def _positions(self, item: ScheduledSeq) -> int:
+        return item.seq.num_computed_tokens + item.num_new_tokens + item.num_spec_tokens
+
+    def _admit(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq | None:
+        cached = [] if seq.wants_prompt_logprobs else self.blocks.match_prefix(seq.token_ids)
+        num_cached = len(cached) * self.blocks.block_size
+        seq.num_computed_tokens = num_cached
+        # The draft's K/V are valid only on the leading blocks some request's draft computed.
+        seq.num_draft_computed_tokens = (
+            self.blocks.num_draft_computed(cached) * self.blocks.block_size
+        )
+        item = self._plan(seq, budget, step_k)
+        needed = self.blocks.blocks_needed(self._positions(item)) - len(cached)
+        if not self.blocks.can_allocate(needed + self.blocks.num_free_among(cached)):
+            seq.reset_progress()
+            return None
+        self.blocks.acquire(cached)
+        seq.block_table = list(cached)
+        seq.block_hashes = (
+            [] if not cached else self.blocks.chain_hashes(seq.token_ids, len(cached))
+        )
+        seq.num_draft_cached_blocks = seq.num_draft_computed_tokens // self.blocks.block_size
+        self.blocks.grow(seq.block_table, self._positions(item))
+        if seq.times.first_scheduled is None:
+            seq.num_cached_tokens = num_cached
+            self.blocks.record_lookup(seq.num_prompt_tokens, num_cached)
+            seq.times.first_scheduled = time.monotonic()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return item
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop the KV, keep the tokens, go back to the front of the queue."""
+        self.running.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.status = SequenceStatus.WAITING
+        seq.reset_progress()
+        self.waiting.appendleft(seq)
+
+
+def _cost(item: ScheduledSeq) -> int:
+    """Tokens an item takes from the step's budget."""
+    return item.num_new_tokens + item.num_spec_tokens

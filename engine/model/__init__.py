@@ -1,0 +1,8 @@
+"""The model side: everything that owns tensors.
+
+Owns: the model runner and its KV pool (`runner`), the decoder and its model families (`decoder`,
+`families`), paged attention (`attention`), the draft's compiled decode graph (`decode_graph`),
+weight loading (`loader`, `quant/` for GGUF and quantized layers), tensor parallelism
+(`parallel/`) and the bundled model pair (`bundled`). Knows nothing of requests beyond the token
+spans a forward is given.
+"""

@@ -1,0 +1,239 @@
+"""The model runner: owns the weights and the paged KV cache tensors, runs one ragged forward."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from engine.model.attention import AttentionMetadata, RequestSpan
+from engine.model.decode_graph import DecodeGraph
+from engine.model.decoder import DecoderModel, KVCache
+from engine.model.families import build_decoder
+from engine.model.loader import LoadedModel
+from engine.model.parallel.layers import shard_decoder
+from engine.model.parallel.state import TensorParallel, tensor_parallel_for
+from engine.model.quant.model import WeightSummary, quantize_mode, summarize, swap_in_quantized
+
+log = logging.getLogger("specserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Chat-turn terminators that end generation when the chat template uses them.
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# End-of-document tokens that end generation whenever the tokenizer has them as special tokens
+# (Qwen's own generation config lists <|endoftext|> next to <|im_end|>).
+_DOCUMENT_END_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
+
+
+@dataclass(frozen=True)
+class ForwardInput:
+    token_ids: list[int]  # the tokens to compute this pass (new tokens only)
+    start_pos: int  # position of token_ids[0] == tokens already in the KV cache
+    block_table: list[int]  # block ids covering positions [0, start_pos + len(token_ids))
+    num_logits: int  # logits wanted for the last num_logits positions (0..len)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        device: str,
+        dtype: str,
+        block_size: int,
+        head_rows: int | None = None,  # score only the first token ids and the stop ids (a draft)
+        compile_decode: bool = False,  # one request's decode through a compiled graph (a draft)
+    ) -> None:
+        self.loaded = loaded
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.block_size = block_size
+        self.tp = tensor_parallel_for(loaded.name)  # sharded target, or None
+        head = None if head_rows is None else (head_rows, self.eos_token_ids)
+        self.model = _build_model(loaded, self.device, self.dtype, self.tp, head)
+        self.weights: WeightSummary = summarize(self.model)
+        self.decode_graph = DecodeGraph(self.model) if compile_decode else None
+        self.model.compiled_layers = self.decode_graph
+        log.info(
+            "%s runs as %s (%s): %.2f GiB of weights",
+            loaded.name,
+            self.weights.label,
+            dtype,
+            self.weights.weight_bytes / (1 << 30),
+        )
+        self.kv_caches: list[KVCache] = []
+        # (rows, seconds) of each forward since the engine last took them; None: not timed
+        self.timings: list[tuple[int, float]] | None = None
+
+    @property
+    def hf_config(self) -> PretrainedConfig:
+        return self.loaded.hf_config
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.loaded.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.shape.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        limit = int(self.hf_config.max_position_embeddings)
+        window = getattr(self.hf_config, "sliding_window", None)
+        uses_window = getattr(self.hf_config, "use_sliding_window", True)
+        # Attention here is always full: past a sliding window the model would be wrong.
+        return min(limit, int(window)) if window and uses_window else limit
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = list(self.loaded.generation_eos_ids)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        ids += _turn_end_ids(self.tokenizer)
+        return sorted(set(ids))
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        s = self.model.shape
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * element
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.tp is not None:
+            self.tp.lead("allocate_kv_cache", num_blocks)
+        s = self.model.shape
+        shape = (s.num_kv_heads, num_blocks, self.block_size, s.head_dim)
+        # K and V tensors of their own, not views of one: a compiled graph (DecodeGraph) that
+        # writes into a view of its input copies the whole base back (the pool, every layer)
+        self.kv_caches = []
+        for _ in range(s.num_layers):
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append((k, v))
+
+    def warm_up(self) -> None:
+        """Compile the decode graph, if any (after allocate_kv_cache). Its forwards read block 0
+        and write K/V in block 1, blocks no request owns yet."""
+        if self.decode_graph is not None:
+            start = self.block_size  # two blocks of context: no size of one to specialize on
+            self.decode_graph.warm_up(
+                lambda n: self.forward([ForwardInput([0] * n, start, [0, 1], 1)])
+            )
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[ForwardInput]) -> torch.Tensor:
+        """-> [sum(num_logits), vocab_size] float32, in input order."""
+        if not self.kv_caches:
+            raise RuntimeError("allocate_kv_cache() before forward()")
+        if self.tp is not None:
+            self.tp.lead("forward", inputs)
+        inputs = [i for i in inputs if i.token_ids]
+        if not inputs:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        started = time.perf_counter()
+        logits = self._forward(inputs)
+        if self.timings is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.timings.append(
+                (sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
+            )
+        return logits
+
+    def take_timings(self) -> list[tuple[int, float]]:
+        taken = self.timings or []
+        if self.timings is not None:
+            self.timings = []
+        return taken
+
+    def _forward(self, inputs: list[ForwardInput]) -> torch.Tensor:
+        input_ids, positions, logit_rows = _flatten(inputs, self.block_size)
+        spans = [RequestSpan(i.start_pos, len(i.token_ids), i.block_table) for i in inputs]
+        # the compiled graph runs only batches of one request: only those need its one structure
+        uniform = self.decode_graph is not None and len(spans) == 1
+        meta = AttentionMetadata.build(spans, self.block_size, self.device, uniform)
+        hidden = self.model(
+            input_ids.to(self.device, non_blocking=True),
+            positions.to(self.device, non_blocking=True),
+            self.kv_caches,
+            meta,
+        )  # [num_tokens, hidden]
+        if logit_rows.numel() != hidden.shape[0]:
+            hidden = hidden[logit_rows.to(self.device, non_blocking=True)]
+        return self.model.compute_logits(hidden)
+
+
+def _flatten(
+    inputs: list[ForwardInput], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat token ids [T], positions [T] and the rows whose logits are wanted [N]."""
+    ids: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    for inp in inputs:
+        n = len(inp.token_ids)
+        if not 0 <= inp.num_logits <= n:
+            raise ValueError(f"num_logits {inp.num_logits} not in [0, {n}]")
+        if len(inp.block_table) * block_size < inp.start_pos + n:
+            raise ValueError(f"block table of {len(inp.block_table)} blocks too short")
+        rows.extend(range(len(ids) + n - inp.num_logits, len(ids) + n))
+        ids.extend(inp.token_ids)
+        positions.extend(range(inp.start_pos, inp.start_pos + n))
+    as_long = torch.int64
+    return (
+        torch.tensor(ids, dtype=as_long),
+        torch.tensor(positions, dtype=as_long),
+        torch.tensor(rows, dtype=as_long),
+    )
+
+
+def _build_model(
+    loaded: LoadedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel | None,
+    head: tuple[int, list[int]] | None,  # DecoderModel.limit_head's rows and extra ids
+) -> DecoderModel:
+    with torch.device("meta"):
+        model = build_decoder(loaded.architecture, loaded.hf_config)
+        if head is not None:
+            model.limit_head(*head)
+    mode = quantize_mode(loaded.quantization, from_gguf=loaded.gguf_file is not None)
+    if mode is not None:
+        if tp is not None:
+            raise ValueError("tensor parallelism shards plain linear layers: use quantization none")
+        swap_in_quantized(model, mode, dtype, device)
+    # A sharded model loads whole in host memory, then only this rank's shard goes to the device.
+    model = model.to(dtype).to_empty(device="cpu" if tp is not None else device)
+    model.load_weights(loaded.iter_weights())
+    if tp is not None:
+        shard_decoder(model, tp)
+        model = model.to(device)
+    model.init_rotary(loaded.hf_config, device)
+    _return_freed_memory()
+    return model.eval()
+
+
+def _return_freed_memory() -> None:
+    """Loading frees gigabytes of transient tensors (raw blocks, unpacked values) that glibc
+    would otherwise keep in the process: hand them back so resident memory is the model's."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def _turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    special = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+    vocab = tokenizer.get_vocab()
+    turn_ends = [t for t in _TURN_END_TOKENS if t in vocab and t in template]
+    doc_ends = [t for t in _DOCUMENT_END_TOKENS if t in vocab and t in special]
+    return [vocab[t] for t in turn_ends + doc_ends]

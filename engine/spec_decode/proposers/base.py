@@ -1,0 +1,38 @@
+"""The proposer interface. A new method (EAGLE, Medusa heads, layer skipping) implements `propose`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.sequence import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: list[int]  # at most item.num_spec_tokens drafts
+    probs: torch.Tensor | None = None  # [len(token_ids), vocab_size] draft probs; None = one-hot
+    source: str = ""  # the proposer that drafted them ("draft", "ngram"), for metrics and k
+    # The draft model's K/V frontier after this step (positions it has computed, rejected drafts
+    # included); None when the draft model did not run for this request. The scheduler applies it.
+    num_draft_computed: int | None = None
+
+    @staticmethod
+    def empty() -> Proposal:
+        return Proposal([])
+
+
+class Proposer(Protocol):
+    def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
+        """One proposal per scheduled request (empty where it gets no drafts this step).
+        Proposers never change a request's state: what they computed comes back in the Proposal."""
+        ...
+
+
+class NoProposer:
+    """Plain decoding: no request gets drafts."""
+
+    def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
+        return [Proposal.empty() for _ in batch]

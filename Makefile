@@ -29,7 +29,8 @@ test: install
 	$(BIN)/python -m pytest -q tests
 
 lint: install
-	$(BIN)/ruff check engine server tests
+	$(BIN)/ruff check engine server tests bench
+	$(BIN)/mypy engine server
 
 bench: install fetch-models
 	$(BIN)/specserve bench --launch $(CONFIG) --out bench-out

@@ -3,6 +3,7 @@ whole or streamed; with tools, the model's `<tool_call>` blocks become `message.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -61,7 +62,7 @@ class OpenAIServingChat(OpenAIServing):
     def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
         messages = [m.template_dict() for m in req.messages or []]
         continue_final = getattr(req, "continue_final_message", False)
-        tools = None
+        tools: list[dict[str, Any] | Callable[..., Any]] | None = None  # the template's type
         if isinstance(req, ChatCompletionRequest) and req.uses_tools:
             tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         try:

@@ -269,3 +269,34 @@ def test_readme_flags_exist_in_the_cli() -> None:
 def _subcommands(parser: argparse.ArgumentParser) -> list[str]:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return list(sub.choices)
+
+
+# --- README and docs ---------------------------------------------------------------------
+
+RAW_LOGS = ("*.log", "*.log.gz", "*.jsonl", "*.jsonl.gz", "*.ndjson")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # [text](target) and ![alt](target)
+
+
+def test_docs_hold_no_raw_logs_and_stay_small() -> None:
+    docs = ROOT / "docs"
+    raw = [p.relative_to(ROOT) for pattern in RAW_LOGS for p in docs.rglob(pattern)]
+    assert raw == [], "raw logs belong in the bench's --raw-logs folder, not in docs/"
+    size = sum(p.stat().st_size for p in docs.rglob("*") if p.is_file())
+    assert size < 1_500_000, f"docs/ holds {size:,} bytes"
+
+
+def test_readme_is_short_and_links_every_doc() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 260
+    linked = {t for t in LINK.findall(readme) if t.startswith("docs/")}
+    assert {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")} <= linked
+
+
+@pytest.mark.parametrize(
+    "page", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
+)
+def test_relative_links_resolve(page: str) -> None:
+    path = ROOT / page
+    targets = [t for t in LINK.findall(path.read_text()) if "://" not in t]
+    missing = [t for t in targets if not (path.parent / t).exists()]
+    assert missing == [], f"{page} links to missing files"

@@ -87,6 +87,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--launch-timeout", type=float, default=1800.0)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
+    p.add_argument(
+        "--raw-logs",
+        type=Path,
+        metavar="DIR",
+        help="requests.jsonl and the servers' logs (default: a new folder in "
+        "~/.cache/specserve/bench-logs/)",
+    )
     p.set_defaults(func=run)  # fmt: skip
 
 

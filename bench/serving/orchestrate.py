@@ -9,6 +9,7 @@ import os
 import platform
 import shlex
 import subprocess
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown peers {unknown}; known: {', '.join(PEER_MODES)}")
     args.out.mkdir(parents=True, exist_ok=True)
+    args.raw_logs = raw_logs_dir(args)
     prompts = load_prompts(args)
     loads = loads_of(args)
     with target(args) as base_url:
@@ -73,6 +75,17 @@ def main(args: argparse.Namespace) -> int:
     stats.add_server_ratios(peer_rows, requests)
     write_outputs(args, model, server_rows, peer_rows, requests)
     return 0
+
+
+def raw_logs_dir(args: argparse.Namespace) -> Path:
+    """Where requests.jsonl and the servers' logs go: --raw-logs, else a fresh folder in the user's
+    cache (never the repository: they are large and not results)."""
+    if args.raw_logs is not None:
+        return Path(args.raw_logs)
+    from engine.model.bundled import cache_dir
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return cache_dir() / "bench-logs" / f"{Path(args.out).resolve().name}-{stamp}"
 
 
 async def sweep(
@@ -177,7 +190,7 @@ def run_peers(
         prompts = {c: ps[: args.peer_num_prompts] for c, ps in prompts.items()}
     job = peer_job(args, modes, prompts)
     log(f"peers {', '.join(modes)} on {job.model} ({job.dtype}, {job.device}), concurrency 1")
-    records = run_peers_subprocess(job, args.out / "peers")
+    records = run_peers_subprocess(job, args.raw_logs / "peers")
     return stats.peer_rows(records)
 
 
@@ -213,7 +226,8 @@ def write_outputs(
 ) -> None:
     out: Path = args.out
     (out / "results.json").write_text(json.dumps(rows + peers, indent=1))
-    with (out / "requests.jsonl").open("w") as f:
+    args.raw_logs.mkdir(parents=True, exist_ok=True)
+    with (args.raw_logs / "requests.jsonl").open("w") as f:
         for rec in requests:
             f.write(json.dumps(rec) + "\n")
     meta = {
@@ -227,6 +241,7 @@ def write_outputs(
         **({"control": "A/A: both modes decode plainly"} if args.control else {}),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
         **server_meta(args),
+        "raw_logs": str(args.raw_logs),
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     write_report(out / "report.md", rows, peers, meta)

@@ -468,7 +468,8 @@ def _verify_rows(
     proposals: list[Proposal],
     logits: torch.Tensor,  # [sum(num_logits), vocab_size]
 ) -> torch.Tensor:  # [num_tokens, vocab_size]: the last k + 1 rows of each request reaching the end
-    rows, offset = [], 0
+    rows: list[int] = []
+    offset = 0
     for item, proposal in zip(batch, proposals, strict=True):
         offset += _num_logits(item, proposal)
         if item.reaches_end:

@@ -69,12 +69,12 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            item = self._admit(self.waiting[0], budget, step_k)
-            if item is None:
+            admitted = self._admit(self.waiting[0], budget, step_k)
+            if admitted is None:
                 break
             self.waiting.popleft()
-            scheduled.append(item)
-            budget -= _cost(item)
+            scheduled.append(admitted)
+            budget -= _cost(admitted)
         return SchedulerOutput(scheduled, num_preempted)
 
     def update_from_output(

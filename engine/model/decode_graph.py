@@ -32,17 +32,21 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.fx.experimental._config as shape_config
+import torch.fx.experimental._config as fx_config
 from torch import nn
+from torch.utils._config_module import ConfigModule
 
 from engine.model.attention import AttentionMetadata
 from engine.model.bundled import cache_dir
 
 if TYPE_CHECKING:
     from engine.model.decoder import DecoderModel, KVCache
+
+# install_config_module made the module a ConfigModule (patch, ...); its type stub does not say so
+shape_config = cast(ConfigModule, fx_config)
 
 log = logging.getLogger("specserve.compile")
 # Set on import, before anything asks inductor for its cache (it then fixes its /tmp default).
@@ -138,7 +142,7 @@ class DecodeGraph:
             return torch.compiler.set_stance("fail_on_recompile")
         # No duck sizing while compiling: a batch's block count must not share a symbol with
         # another size that happens to be equal (2 blocks and 2 KV heads), which specializes it.
-        return shape_config.patch(use_duck_shape=False)
+        return shape_config.patch("use_duck_shape", False)
 
     def _give_up(self, err: Exception) -> None:
         self.broken = True

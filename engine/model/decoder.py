@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -140,7 +140,8 @@ class Attention(nn.Module):
         self.shape = shape
         out = shape.q_size + 2 * shape.kv_size
         self.qkv_proj = nn.Linear(shape.hidden_size, out, bias=shape.qkv_bias)
-        self.o_proj = nn.Linear(shape.q_size, shape.hidden_size, bias=shape.o_bias)
+        # nn.Module: quantization and tensor parallelism swap the row-parallel projections
+        self.o_proj: nn.Module = nn.Linear(shape.q_size, shape.hidden_size, bias=shape.o_bias)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.scale = shape.head_dim**-0.5
@@ -169,7 +170,9 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = shape.intermediate_size
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.down_proj: nn.Module = nn.Linear(
+            shape.intermediate_size, shape.hidden_size, bias=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -290,14 +293,14 @@ class DecoderModel(nn.Module):
             return [s.q_size, s.kv_size, s.kv_size]
         if module_name.endswith("gate_up_proj"):
             return [s.intermediate_size] * 2
-        return [self.get_submodule(module_name).out_features]
+        return [cast(int, self.get_submodule(module_name).out_features)]  # Linear or QuantLinear
 
     def load_weights(self, weights: Iterable[tuple[str, WeightValue]]) -> None:
         """Copy transformers-named tensors in, fusing q/k/v and gate/up; all must be covered.
 
         Modules that load their own weights (quantized layers: `load_shard`) get theirs as they
         come, quantized or float; plain parameters take quantized weights dequantized."""
-        targets = dict(self.named_parameters())
+        targets: dict[str, nn.Parameter | nn.Module] = dict(self.named_parameters())
         pending = {name: _num_shards(name) for name in targets}
         for module_name, module in self.named_modules():
             if hasattr(module, "load_shard"):

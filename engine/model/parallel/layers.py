@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.decoder import MLP, Attention, DecoderModel, DecoderShape
+from engine.model.decoder import MLP, Attention, DecoderLayer, DecoderModel, DecoderShape
 from engine.model.parallel.state import TensorParallel
 
 
@@ -56,6 +56,7 @@ def shard_decoder(model: DecoderModel, tp: TensorParallel) -> None:
     check_shardable(model.shape, tp.world_size)
     local = local_shape(model.shape, tp.world_size)
     for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
         _shard_attention(layer.self_attn, local, tp)
         _shard_mlp(layer.mlp, local, tp)
     model.shape = local

@@ -11,6 +11,7 @@ reference and every kernel compute the same weights.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +92,7 @@ def quantize_int8(w: torch.Tensor, source: str = "rtn") -> Int8Weight:
     return Int8Weight(q, scale, source)
 
 
-def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+def cat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
     """Stack same-format weights along the output dimension (fused q/k/v, gate/up)."""
     first = parts[0]
     if isinstance(first, Int4Weight):
@@ -109,7 +110,7 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     )
 
 
-def same_format(a: QuantizedWeight | torch.Tensor, b: QuantizedWeight | torch.Tensor) -> bool:
+def same_format(a: object, b: object) -> bool:
     if isinstance(a, Int4Weight) and isinstance(b, Int4Weight):
         return a.group_size == b.group_size
     return type(a) is type(b)

@@ -71,7 +71,7 @@ class _Cursor:
 def read_gguf(path: Path) -> tuple[str, list[GgufTensorInfo]]:
     """(general.architecture, the tensors in file order, their data memory-mapped)."""
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(mapped))
+    cur = _Cursor(mapped.data)
     if cur.scalar("I") != 0x46554747:  # b"GGUF"
         raise ValueError(f"{path}: not a GGUF file")
     cur.scalar("I")  # version
@@ -102,6 +102,7 @@ def _tensor(
     row_bytes = cols // block * type_size
     raw = mapped[start + offset : start + offset + rows * row_bytes].reshape(rows, row_bytes)
     floats = {"F32": np.float32, "F16": np.float16}
+    data: np.ndarray
     if qtype.name in floats:
         data = raw.view(floats[qtype.name])
         data = data.reshape(rows, cols) if len(dims) > 1 else data.reshape(cols)

@@ -318,10 +318,10 @@ def _self_test(
         return _fail(kind.name, f"{type(err).__name__}: {err}")
     want = F.linear(x.float(), rows.dequantize(torch.float32).to(device))
     want = torch.cat([want, want[:1]])
-    err = ((got - want).norm() / want.norm().clamp(min=1e-12)).item()
+    rel_err = ((got - want).norm() / want.norm().clamp(min=1e-12)).item()
     tolerance = getattr(kind, "tolerance", SELF_TEST_TOLERANCE)
-    if not err <= tolerance:
-        return _fail(kind.name, f"relative error {err:.2e} > {tolerance:.0e}")
+    if not rel_err <= tolerance:
+        return _fail(kind.name, f"relative error {rel_err:.2e} > {tolerance:.0e}")
     return True
 
 

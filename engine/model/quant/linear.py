@@ -213,7 +213,9 @@ def _runs_of_one_format(shards: list[Shard]) -> list[list[Shard]]:
     return runs
 
 
-def format_name(weight: Shard, kernel: Kernel | None, dtype: torch.dtype) -> str:
+def format_name(
+    weight: torch.Tensor | QuantizedWeight, kernel: Kernel | None, dtype: torch.dtype
+) -> str:
     """ "int4-g32", "int8", "w8a8", "bf16"; a quantized weight run dequantized says so."""
     dense = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16")
     if isinstance(weight, torch.Tensor):

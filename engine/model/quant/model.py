@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.config import Quantization
 from engine.model.decoder import DecoderModel
-from engine.model.quant.linear import ACTIVATION_PASSES, QuantEmbedding, QuantizeMode, QuantLinear
+from engine.model.quant.linear import QuantEmbedding, QuantizeMode, QuantLinear
 
 
 def quantize_mode(quantization: Quantization, from_gguf: bool) -> QuantizeMode | None:
@@ -17,7 +17,7 @@ def quantize_mode(quantization: Quantization, from_gguf: bool) -> QuantizeMode |
     float checkpoint)."""
     if quantization == "none" or (quantization == "auto" and not from_gguf):
         return None
-    if quantization in ACTIVATION_PASSES:
+    if quantization in ("w8a8", "w8a8-fast"):  # the modes of linear.ACTIVATION_PASSES
         return quantization  # any checkpoint: every matrix int8 per row, int8 activations
     if quantization == "auto" or from_gguf:
         return "keep"  # a GGUF's quantized tensors are kept as the file has them

@@ -2,7 +2,7 @@
 
 Rooms, each owning one kind of state (imports only go down this list, never back up):
 
-- `engine.core`: the engine loop and its queues (`LLMEngine`, `AsyncLLMEngine`, `Scheduler`,
+- `engine.core`: the engine loop and its queues (`LLMEngine`, `AsyncLLM`, `Scheduler`,
   `BlockManager`). The scheduler is the one writer of a request's progress.
 - `engine.spec_decode`: speculation (proposers, the per-step planner and its cost curves,
   acceptance estimates, the rejection sampler).

@@ -58,16 +58,27 @@ def exponential_at(
     device: torch.device,
     token_ids: Tensor | None = None,  # [R, C] long: the tokens to draw for; None: all V
 ) -> Tensor:  # [R, C] float32 Exp(1) draws; token t's is a function of (row key, t) only
-    keys = torch.tensor([_split(k) for k in row_keys], dtype=torch.int32, device=device)  # [R, 2]
-    table = _token_hashes(vocab_size, torch.device(device))  # [V]
-    h = (table[None, :] if token_ids is None else table[token_ids]) ^ keys[:, :1]  # [R, C]
-    h = _mix32(h.add_(keys[:, 1:]))
+    h = counter_bits(row_keys, vocab_size, device, token_ids)  # [R, C]
     # v in (0, 1) from all 32 bits: full relative precision near 0, where E = -log1p(-v) is
     # small, i.e. where the race's winners are; the top 24 bits alone would round E below 6e-8.
     high = _shift_right(h, 8).float().mul_(2.0**-24)  # [R, C] exact multiples of 2**-24
     v = (h & 0xFF).float().add_(0.5).mul_(2.0**-32).add_(high)
     v.clamp_(max=_BELOW_ONE)  # a rounded 1 would give E = inf, losing even to a masked token
     return v.neg_().log1p_().neg_()
+
+
+def counter_bits(
+    row_keys: list[int],  # [R]
+    vocab_size: int,
+    device: torch.device,
+    token_ids: Tensor | None = None,  # [R, C] long; None: all V
+) -> Tensor:  # [R, C] int32: 32 random bits per (row key, token)
+    """lowbias32(lowbias32(t * STEP) ^ key_lo + key_hi): the token's hash does not depend on the
+    row, so it is computed once per vocabulary; each row then costs one xor, one add, one mix."""
+    keys = torch.tensor([_split(k) for k in row_keys], dtype=torch.int32, device=device)  # [R, 2]
+    table = _token_hashes(vocab_size, torch.device(device))  # [V]
+    h = (table[None, :] if token_ids is None else table[token_ids]) ^ keys[:, :1]  # [R, C]
+    return _mix32(h.add_(keys[:, 1:]))
 
 
 def gumbel_max(

@@ -135,3 +135,15 @@ def test_preemption_keeps_the_seeded_text(
         preemptions += engine.last_stats.num_preemptions if engine.last_stats else 0
     assert preemptions > 0
     assert [s.output_token_ids for s in seqs] == roomy
+
+
+def test_acceptance_bench_counts_drafts(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    """bench.seeded_acceptance on a self-draft: both kinds accept every draft (q = p), and the
+    counts add up over prompts and seeds."""
+    from bench.seeded_acceptance import compare
+
+    engine = _engine("draft", 3, tiny_model_dir, target=tiny_model_dir)
+    unseeded, seeded_run = compare(engine, prompts, 0.8, 8, seeds=[0, 1])
+    for run in (unseeded, seeded_run):
+        assert run.drafted > 0 and run.rate == 1.0
+        assert 0 < run.emitted <= 2 * len(prompts) * 8

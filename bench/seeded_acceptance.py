@@ -9,14 +9,15 @@ prompts at a temperature, once per seed with that seed and as often without one.
 request accepts draft x with probability min(1, p(x) / q(x)); a seeded one accepts it only
 where it equals the target's own Gumbel-max token, which the draft shares the noise of
 (docs/SAMPLING.md). The table gives both acceptance rates (accepted over verified drafts) and
-their ratio: what a seed costs in accepted tokens per step.
+their ratio: what a seed costs in accepted tokens per step. The last column checks the promise:
+how many seeded answers equal the same seed's answer with speculation off for the request.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.serving.datasets import load_category
@@ -37,16 +38,25 @@ class Acceptance:
         return self.accepted / self.drafted if self.drafted else float("nan")
 
 
+@dataclass(frozen=True)
+class Comparison:
+    unseeded: Acceptance
+    seeded: Acceptance
+    same_text: int  # seeded answers identical to the same seed's answer without speculation
+    answers: int  # seeded answers compared
+
+
 def measure(
-    engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
-) -> Acceptance:
-    """Run the prompts together; the drafts they verified and accepted, the tokens they emitted."""
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+) -> tuple[Acceptance, list[list[int]]]:
+    """Run the prompts together: the drafts they verified and accepted, and their answers."""
     seqs = engine.generate(prompts, params)
-    return Acceptance(
+    acceptance = Acceptance(
         drafted=sum(s.spec.num_draft_tokens for s in seqs),
         accepted=sum(s.spec.num_accepted_tokens for s in seqs),
         emitted=sum(s.num_output_tokens for s in seqs),
     )
+    return acceptance, [s.output_token_ids for s in seqs]
 
 
 def compare(
@@ -55,18 +65,19 @@ def compare(
     temperature: float,
     max_tokens: int,
     seeds: list[int],
-) -> tuple[Acceptance, Acceptance]:  # (unseeded, seeded), over every prompt and seed
-    def params(seed: int | None) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-
-    runs = [
-        (
-            measure(engine, prompts, [params(None)] * len(prompts)),
-            measure(engine, prompts, [params(s)] * len(prompts)),
-        )
-        for s in seeds
-    ]
-    return _total([u for u, _ in runs]), _total([s for _, s in runs])
+) -> Comparison:
+    """Per seed: the prompts unseeded, seeded, and seeded without speculation (the reference a
+    seeded answer must equal)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    unseeded, seeded, same = [], [], 0
+    for seed in seeds:
+        unseeded.append(measure(engine, prompts, params)[0])
+        with_seed = replace(params, seed=seed)
+        acceptance, answers = measure(engine, prompts, with_seed)
+        seeded.append(acceptance)
+        _, plain = measure(engine, prompts, replace(with_seed, num_speculative_tokens=0))
+        same += sum(a == b for a, b in zip(answers, plain, strict=True))
+    return Comparison(_total(unseeded), _total(seeded), same, len(seeds) * len(prompts))
 
 
 def _total(parts: list[Acceptance]) -> Acceptance:
@@ -104,12 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     for category in csv_list(args.categories):
         prompts = [token_ids(engine, p) for p in load_category(category, args.num_prompts, {})]
         print(f"seeded_acceptance: {category}: {len(prompts)} prompts", file=sys.stderr)
-        unseeded, seeded = compare(
-            engine, prompts, args.temperature, args.max_tokens, list(range(args.seeds))
-        )
+        c = compare(engine, prompts, args.temperature, args.max_tokens, list(range(args.seeds)))
         print(
-            f"| {category} | {unseeded.emitted} / {seeded.emitted} | {unseeded.rate:.3f} | "
-            f"{seeded.rate:.3f} | {seeded.rate / unseeded.rate:.2f} |",
+            f"| {category} | {c.unseeded.emitted} / {c.seeded.emitted} | {c.unseeded.rate:.3f} | "
+            f"{c.seeded.rate:.3f} | {c.seeded.rate / c.unseeded.rate:.2f} | "
+            f"{c.same_text} / {c.answers} |",
             flush=True,
         )
     return 0

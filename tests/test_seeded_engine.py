@@ -143,7 +143,8 @@ def test_acceptance_bench_counts_drafts(tiny_model_dir: Path, prompts: list[list
     from bench.seeded_acceptance import compare
 
     engine = _engine("draft", 3, tiny_model_dir, target=tiny_model_dir)
-    unseeded, seeded_run = compare(engine, prompts, 0.8, 8, seeds=[0, 1])
-    for run in (unseeded, seeded_run):
+    comparison = compare(engine, prompts, 0.8, 8, seeds=[0, 1])
+    assert comparison.same_text == comparison.answers == 2 * len(prompts)
+    for run in (comparison.unseeded, comparison.seeded):
         assert run.drafted > 0 and run.rate == 1.0
         assert 0 < run.emitted <= 2 * len(prompts) * 8

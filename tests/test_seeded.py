@@ -11,6 +11,7 @@ from engine.sample import seeded
 from engine.sample.sampler import processed_probs, sample
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.seeded import SeedStream, counter_bits, exponential_at, gumbel_max
+from engine.spec_decode.rejection_sampler import verify_batch
 
 CPU = torch.device("cpu")
 M32 = 0xFFFFFFFF
@@ -122,3 +123,32 @@ def test_seeded_rows_ignore_the_global_rng_and_the_other_rows() -> None:
     mixed = sample(probs, [keys[0], None, keys[2], None, keys[4], None])
     assert [mixed[i] for i in (0, 2, 4)] == [first[i] for i in (0, 2, 4)]
     assert first == gumbel_max(probs, keys).tolist()
+
+
+def test_one_batch_verifies_unseeded_by_rejection_and_seeded_by_matching() -> None:
+    """Drafts drawn from q = p independently of the noise: rejection sampling accepts every one
+    (p / q = 1), matching only those that happen to be the target's Gumbel-max token
+    (probability sum p^2), in the same batched verification."""
+    trials, params = 400, SamplingParams(temperature=1.0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]] * 2)  # [k + 1 = 2, V]
+    p = torch.softmax(logits, dim=-1)
+    drafts = torch.multinomial(
+        p[0], trials, replacement=True, generator=torch.Generator().manual_seed(2)
+    )
+    keys = [SeedStream.of(s, 0).row_keys(0, 2) for s in range(trials)]
+    tokens = verify_batch(
+        logits.repeat(2 * trials, 1),
+        [[d] for d in drafts.tolist()] * 2,
+        [p[:1]] * (2 * trials),
+        [params] * (2 * trials),
+        [[]] * (2 * trials),
+        [None] * trials + keys,
+    )
+    unseeded, seeded_runs = tokens[:trials], tokens[trials:]
+    assert all(len(t) == 2 for t in unseeded)
+    own = [gumbel_max(p, k)[0].item() for k in keys]
+    assert [len(t) == 2 for t in seeded_runs] == [
+        d == o for d, o in zip(drafts.tolist(), own, strict=True)
+    ]
+    assert [t[0] for t in seeded_runs] == own  # the first token is the target's own, always
+    assert 0.2 < sum(len(t) == 2 for t in seeded_runs) / trials < 0.5  # sum p^2 = 0.38

@@ -34,6 +34,9 @@ _MASK64 = (1 << 64) - 1
 _MUL_A = 0x7FEB352D
 _MUL_B = 0x846CA68B
 _TOKEN_STEP = 0x9E3779B9  # odd: spreads consecutive token ids before mixing
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
+# Rows keeping at most 1/8 of the vocabulary race over their support alone (topk, then gather).
+SPARSE_FRACTION = 8
 
 
 @dataclass(frozen=True)
@@ -102,11 +105,6 @@ def race(
 ) -> Tensor:  # [R] long: argmax(probs / noise)
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # E = 0 would make a masked token's 0/0 = nan
     return torch.div(probs.float(), noise, out=noise).argmax(dim=-1)
-
-
-# Rows keeping at most 1/8 of the vocabulary race over their support alone (topk, then gather).
-SPARSE_FRACTION = 8
-_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 
 
 @functools.lru_cache(maxsize=8)

@@ -108,7 +108,9 @@ class DraftModelProposer:
     ) -> Proposal:
         if not drafted or probs is None:
             return Proposal.empty()
-        stacked = None if item.seq.params.greedy else torch.stack(probs)  # [k, draft_vocab]
+        # Greedy and seeded requests verify by matching the target's own token: q goes unread.
+        matched = item.seq.params.greedy or item.seq.seed_stream is not None
+        stacked = None if matched else torch.stack(probs)  # [k, draft_vocab]
         return Proposal(drafted, stacked, self.name, frontier)
 
 

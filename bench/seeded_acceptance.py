@@ -109,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     engine = LLMEngine(settings.engine_config())
     print(
-        "| category | tokens (unseeded / seeded) | unseeded acceptance | seeded acceptance | ratio |"
+        "| category | tokens (unseeded / seeded) | unseeded acceptance | seeded acceptance "
+        "| ratio | seeded = no speculation |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     for category in csv_list(args.categories):
         prompts = [token_ids(engine, p) for p in load_category(category, args.num_prompts, {})]
         print(f"seeded_acceptance: {category}: {len(prompts)} prompts", file=sys.stderr)

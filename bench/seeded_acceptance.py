@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--seeds", type=int, default=2, help="seeds per prompt (0, 1, ...)")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.25, help="a few prompts need little")
     args = ap.parse_args(argv)
 
     from server.settings import Settings
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         speculative_adaptive=False,
         draft_p_min=0.0,
         draft_compile=False,  # acceptance does not depend on it; start-up does
+        kv_cache_gib=args.kv_cache_gib,
     )
     engine = LLMEngine(settings.engine_config())
     print(

@@ -109,8 +109,9 @@ def test_sparse_race_equals_the_full_race(monkeypatch: pytest.MonkeyPatch) -> No
     params = [SamplingParams(temperature=0.8, top_p=0.5)] * 40
     probs = processed_probs(logits, params, [[]] * 40)
     keys = SeedStream.of(5, 0).row_keys(0, 40)
+    assert int((probs > 0).sum(dim=-1).max()) <= seeded.SPARSE_MAX_SUPPORT
     sparse = gumbel_max(probs, keys)
-    monkeypatch.setattr(seeded, "SPARSE_FRACTION", 2_001)  # never sparse
+    monkeypatch.setattr(seeded, "SPARSE_MAX_SUPPORT", 0)  # never sparse
     assert torch.equal(sparse, gumbel_max(probs, keys))
 
 

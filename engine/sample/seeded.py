@@ -35,8 +35,10 @@ _MUL_A = 0x7FEB352D
 _MUL_B = 0x846CA68B
 _TOKEN_STEP = 0x9E3779B9  # odd: spreads consecutive token ids before mixing
 _BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
-# Rows keeping at most 1/8 of the vocabulary race over their support alone (topk, then gather).
-SPARSE_FRACTION = 8
+# Rows keeping at most this many tokens race over their support alone (topk, then gather): a
+# top-p nucleus almost always fits (engine.sample.sampler.NUCLEUS_CANDIDATES is the same bet),
+# and a topk much wider than this costs more than hashing the whole vocabulary.
+SPARSE_MAX_SUPPORT = 1024
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,12 @@ def exponential_at(
     token_ids: Tensor | None = None,  # [R, C] long: the tokens to draw for; None: all V
 ) -> Tensor:  # [R, C] float32 Exp(1) draws; token t's is a function of (row key, t) only
     h = counter_bits(row_keys, vocab_size, device, token_ids)  # [R, C]
-    # v in (0, 1) from all 32 bits: full relative precision near 0, where E = -log1p(-v) is
-    # small, i.e. where the race's winners are; the top 24 bits alone would round E below 6e-8.
-    high = _shift_right(h, 8).float().mul_(2.0**-24)  # [R, C] exact multiples of 2**-24
-    v = (h & 0xFF).float().add_(0.5).mul_(2.0**-32).add_(high)
-    v.clamp_(max=_BELOW_ONE)  # a rounded 1 would give E = inf, losing even to a masked token
-    return v.neg_().log1p_().neg_()
+    # v = (|h| + 1/2) / 2**31, uniform in (0, 1) on a grid of 2**-31 (h and -h share a point):
+    # small |h| convert to float exactly, so v keeps full relative precision near 0, where
+    # E = -log1p(-v) is small, i.e. where the race's winners are. Four passes, no bit shuffling.
+    minus_v = h.float().abs_().add_(0.5).mul_(-(2.0**-31))  # [R, C]
+    minus_v.clamp_(min=-_BELOW_ONE)  # v = 1 would give E = inf, losing even to a masked token
+    return minus_v.log1p_().neg_()
 
 
 def counter_bits(
@@ -89,10 +91,10 @@ def gumbel_max(
     row_keys: list[int],  # [R]
 ) -> Tensor:  # [R] long: argmax(log p + g) = argmax(p / E), exactly distributed as p
     """The race over each row's support only: a token of probability 0 can never win, and a
-    top-k or top-p row keeps a few hundred of 152k tokens, so most of the hashing is skipped."""
+    top-k or top-p row often keeps a few dozen of 152k tokens, so most of the hashing is skipped."""
     vocab_size, device = probs.shape[1], probs.device
     support = int((probs > 0).sum(dim=-1).max()) if probs.numel() else 0
-    if 0 < support <= vocab_size // SPARSE_FRACTION:
+    if 0 < support <= min(SPARSE_MAX_SUPPORT, vocab_size // 2):
         values, ids = probs.topk(support, dim=-1)  # [R, C]
         noise = exponential_at(row_keys, vocab_size, device, ids)  # [R, C]
         return ids.gather(1, race(values, noise)[:, None]).squeeze(1)
@@ -115,17 +117,15 @@ def _token_hashes(vocab_size: int, device: torch.device) -> Tensor:  # [V] int32
 
 def _mix32(h: Tensor) -> Tensor:  # [...] int32 bits -> the same, avalanched (in place)
     """lowbias32 on int32 tensors: products wrap mod 2**32 (tests/test_seeded.py checks the bits
-    against Python integers), and right shifts are made logical by masking."""
-    h ^= _shift_right(h, 16)
-    h.mul_(_signed(_MUL_A))
-    h ^= _shift_right(h, 15)
-    h.mul_(_signed(_MUL_B))
-    h ^= _shift_right(h, 16)
+    against Python integers), and right shifts are made logical by masking. One scratch tensor
+    serves every shift: a [R, 152k] temporary per op costs more in page faults than in work."""
+    scratch = torch.empty_like(h)
+    for shift, multiplier in ((16, _MUL_A), (15, _MUL_B), (16, None)):
+        torch.bitwise_right_shift(h, shift, out=scratch)
+        h.bitwise_xor_(scratch.bitwise_and_((1 << (32 - shift)) - 1))  # logical shift
+        if multiplier is not None:
+            h.mul_(_signed(multiplier))
     return h
-
-
-def _shift_right(h: Tensor, bits: int) -> Tensor:  # logical shift of int32 bits
-    return (h >> bits) & ((1 << (32 - bits)) - 1)
 
 
 def _to_int32(x: Tensor) -> Tensor:  # int64 holding 32-bit values -> int32 with the same bits

@@ -11,20 +11,28 @@ where it equals the target's own Gumbel-max token, which the draft shares the no
 (docs/SAMPLING.md). The table gives both acceptance rates (accepted over verified drafts) and
 their ratio: what a seed costs in accepted tokens per step. The last column checks the promise:
 how many seeded answers equal the same seed's answer with speculation off for the request.
+`--noise-cost 151936` only times one row of seeded noise against its alternatives.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
 
 from bench.serving.datasets import load_category
 from bench.serving.options import csv_list
 from bench.spec_grid import token_ids
 from engine.core.llm_engine import LLMEngine
+from engine.sample.sampler import exponential
 from engine.sample.sampling_params import SamplingParams
+from engine.sample.seeded import SeedStream, exponential_at
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,33 @@ def _total(parts: list[Acceptance]) -> Acceptance:
     )
 
 
+def noise_cost(vocab_size: int, repeats: int = 15) -> dict[str, float]:
+    """Milliseconds (median) to draw one row of Exp(1) noise: the counter noise seeded rows use,
+    a torch.Generator seeded per row (the alternative), and the default RNG (unseeded rows)."""
+    cpu = torch.device("cpu")
+    keys = SeedStream.of(3, 0).row_keys(0, 1)
+
+    def per_row_generator() -> None:
+        exponential((vocab_size,), torch.Generator().manual_seed(keys[0] >> 1), cpu)
+
+    candidates = {
+        "counter noise": lambda: exponential_at(keys, vocab_size, cpu),
+        "torch.Generator per row": per_row_generator,
+        "default RNG": lambda: exponential((1, vocab_size), None, cpu),
+    }
+    return {name: _median_ms(draw, repeats) for name, draw in candidates.items()}
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--config", type=Path, default=Path("configs/default.yaml"))
@@ -95,8 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--seeds", type=int, default=2, help="seeds per prompt (0, 1, ...)")
+    ap.add_argument("--noise-cost", type=int, metavar="VOCAB", help="only time a row of noise")
     ap.add_argument("--kv-cache-gib", type=float, default=0.25, help="a few prompts need little")
     args = ap.parse_args(argv)
+    if args.noise_cost:
+        torch.set_num_threads(1)
+        for name, ms in noise_cost(args.noise_cost).items():
+            print(f"{name}: {ms:.2f} ms per row of {args.noise_cost:,}")
+        return 0
 
     from server.settings import Settings
 

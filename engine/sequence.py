@@ -7,11 +7,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.outputs import RequestTimes, SpecStats, TokenLogprob
 from engine.sample.detokenizer import IncrementalDetokenizer
 from engine.sample.sampling_params import SamplingParams
+from engine.sample.seeded import SeedStream
 from engine.sample.structured import ConstraintState
 from engine.spec_decode.acceptance import RequestSpecState
 
@@ -29,7 +28,8 @@ class Sequence:
     params: SamplingParams
     times: RequestTimes
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
+    # A seeded request's per-position noise (engine/sample/seeded.py); None: unseeded.
+    seed_stream: SeedStream | None
     num_speculative_tokens: int  # this request's k (0: plain decoding)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     status: SequenceStatus = SequenceStatus.WAITING
@@ -83,6 +83,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def seeded_row_keys(self, count: int, ahead: int = 0) -> list[int] | None:
+        """The noise keys of `count` output positions from `ahead` past the next one; None when
+        unseeded or greedy. Positions count output tokens, so preemption never shifts them."""
+        if self.seed_stream is None or self.params.greedy:
+            return None
+        return self.seed_stream.row_keys(self.num_output_tokens + ahead, count)
 
     @property
     def is_finished(self) -> bool:

@@ -200,7 +200,7 @@ def real_server(model_dir: Path, **settings_kwargs: Any) -> Iterator[RealServer]
     )
     settings = Settings(**(kwargs | settings_kwargs))
     config = settings.engine_config()
-    # Adaptive k follows measured timings, so drafts (and seeded sampling) would not repeat.
+    # Adaptive k follows measured timings, so the drafts (and unseeded draws) would not repeat.
     fixed_k = dataclasses.replace(config.speculative, adaptive=False)
     engine = AsyncLLM.from_config(
         dataclasses.replace(config, speculative=fixed_k), settings.model_name

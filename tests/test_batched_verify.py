@@ -21,8 +21,14 @@ from engine.sample.sampler import (
     verification_penalty_pairs,
 )
 from engine.sample.sampling_params import SamplingParams
+from engine.sample.seeded import SeedStream
 from engine.spec_decode import rejection_sampler
-from engine.spec_decode.rejection_sampler import SpecDecodeMetadata, verify, verify_batch
+from engine.spec_decode.rejection_sampler import (
+    SpecDecodeMetadata,
+    verify,
+    verify_batch,
+    verify_seeded,
+)
 
 V = 40
 
@@ -47,8 +53,11 @@ class Request:
     draft_probs: Tensor | None  # [k, V]; None: one-hot drafts
     output: list[int]
 
-    def generator(self) -> torch.Generator | None:
-        return None if self.seed is None else torch.Generator().manual_seed(self.seed)
+    def row_keys(self) -> list[int] | None:
+        """The seeded noise keys of its k + 1 verify rows (it has produced `output` so far)."""
+        if self.seed is None or self.params.greedy:
+            return None
+        return SeedStream.of(self.seed, 0).row_keys(len(self.output), len(self.drafts) + 1)
 
 
 def random_request(gen: torch.Generator, index: int, seeded: bool) -> Request:
@@ -72,7 +81,10 @@ def reference(req: Request) -> list[int]:
     k = len(req.drafts)
     history = verification_histories(req.output, req.drafts)
     probs = processed_probs(req.logits, [req.params] * (k + 1), history)
-    return verify(probs, req.drafts, req.draft_probs, req.params.greedy, req.generator())
+    keys = req.row_keys()
+    if keys is not None:
+        return verify_seeded(probs, req.drafts, keys)
+    return verify(probs, req.drafts, req.draft_probs, req.params.greedy, None)
 
 
 def batched(requests: list[Request]) -> list[list[int]]:
@@ -82,7 +94,7 @@ def batched(requests: list[Request]) -> list[list[int]]:
         [r.draft_probs for r in requests],
         [r.params for r in requests],
         [r.output for r in requests],
-        [r.generator() for r in requests],
+        [r.row_keys() for r in requests],
     )
 
 
@@ -200,7 +212,7 @@ def test_batched_emissions_follow_the_target_distribution() -> None:
         [q[:k] if d else None for k, d in zip(ks, is_dense, strict=True)],
         [params] * TRIALS,
         [[]] * TRIALS,
-        [torch.Generator().manual_seed(t) if t % 10 == 0 else None for t in range(TRIALS)],
+        [SeedStream.of(t, 0).row_keys(0, k + 1) if t % 10 == 0 else None for t, k in enumerate(ks)],
     )
     for pos in range(K + 1):
         emitted = [t[pos] for t in tokens if len(t) > pos]

@@ -14,6 +14,7 @@ from engine.sample.sampler import (
     verification_histories,
 )
 from engine.sample.sampling_params import SamplingParams
+from engine.sample.seeded import SeedStream
 
 
 def reference_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -128,7 +129,7 @@ def test_greedy_rows_are_one_hot_on_penalized_argmax() -> None:
     assert probs[0].tolist() == [0.0, 1.0, 0.0]
     assert probs[1].tolist() == [0.0, 0.0, 1.0]
     torch.testing.assert_close(probs[2], torch.softmax(logits[2], dim=-1))
-    assert sample(probs[:2], [None, torch.Generator().manual_seed(3)]) == [1, 2]
+    assert sample(probs[:2], [None, SeedStream.of(3, 0).row_keys(0, 1)[0]]) == [1, 2]
 
 
 def test_greedy_sample_is_exact_argmax_over_many_draws() -> None:
@@ -141,12 +142,13 @@ def _run_seeded(rows: list[tuple[SamplingParams, int | None]], steps: int) -> li
     """Decode `steps` tokens for a batch; every row sees the same per-step logits stream."""
     logit_gen = torch.Generator().manual_seed(123)
     step_logits = [torch.randn(64, generator=logit_gen) for _ in range(steps)]
-    gens = [None if s is None else torch.Generator().manual_seed(s) for _, s in rows]
+    streams = [None if s is None else SeedStream.of(s, 0) for _, s in rows]
     outputs: list[list[int]] = [[] for _ in rows]
-    for logits in step_logits:
+    for position, logits in enumerate(step_logits):
         batch = logits.expand(len(rows), -1)
         probs = processed_probs(batch, [p for p, _ in rows], outputs)
-        for out, token in zip(outputs, sample(probs, gens), strict=True):
+        keys = [None if s is None else s.row_keys(position, 1)[0] for s in streams]
+        for out, token in zip(outputs, sample(probs, keys), strict=True):
             out.append(token)
     return outputs
 
@@ -183,7 +185,7 @@ def test_sample_matches_expected_distribution(params: SamplingParams) -> None:
     probs = processed_probs(logits.expand(num_draws, -1), [params] * num_draws, [[]] * num_draws)
     torch.manual_seed(0)
     assert total_variation(sample(probs, [None] * num_draws), expected) < 0.01
-    seeded = [torch.Generator().manual_seed(1)] * (num_draws // 5)
+    seeded = SeedStream.of(1, 0).row_keys(0, num_draws // 5)  # one draw per position
     assert total_variation(sample(probs[: len(seeded)], seeded), expected) < 0.02
 
 

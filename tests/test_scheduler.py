@@ -25,7 +25,7 @@ def _seq(rid: str, prompt_len: int, k: int = 0, max_tokens: int = 32) -> Sequenc
         params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
         times=RequestTimes(arrival=time.monotonic()),
         detokenizer=_NoDetokenizer(),  # type: ignore[arg-type]
-        generator=None,
+        seed_stream=None,
         num_speculative_tokens=k,
     )
 

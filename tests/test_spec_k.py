@@ -303,7 +303,7 @@ def test_a_short_answer_does_not_pay_for_a_catch_up_on_its_prompt() -> None:
         params=SamplingParams(max_tokens=400, temperature=0.0),
         times=RequestTimes(arrival=0.0),
         detokenizer=None,  # type: ignore[arg-type]
-        generator=None,
+        seed_stream=None,
         num_speculative_tokens=3,
     )
     seq.num_computed_tokens = seq.num_tokens - 1

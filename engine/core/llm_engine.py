@@ -18,6 +18,7 @@ from engine.sample import structured
 from engine.sample.detokenizer import IncrementalDetokenizer
 from engine.sample.sampler import emitted_logprobs, logprobs_of
 from engine.sample.sampling_params import SamplingParams
+from engine.sample.seeded import SeedStream
 from engine.sequence import ScheduledSeq, Sequence
 from engine.spec_decode.planner import SpecPlanner
 from engine.spec_decode.proposers import (
@@ -91,7 +92,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, list(prompt_token_ids), stop, params.skip_special_tokens
             ),
-            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+            seed_stream=None if params.seed is None else SeedStream.of(params.seed, params.choice),
             num_speculative_tokens=k,
             constraint=structured.new_state(params.constraints, self.tokenizer),
         )
@@ -287,7 +288,7 @@ class LLMEngine:
             [self._match_vocab(proposals[i].probs, vocab_size) for i in ends],
             [seq.params for seq in seqs],
             [seq.output_token_ids if seq.params.has_penalties else [] for seq in seqs],
-            [seq.generator for seq in seqs],
+            [seq.seeded_row_keys(len(d) + 1) for seq, d in zip(seqs, drafts, strict=True)],
         )
         logprobs = emitted_logprobs(
             [seq.params.logprobs for seq in seqs], target_logits, drafts, tokens

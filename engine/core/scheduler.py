@@ -150,9 +150,7 @@ class Scheduler:
 
     def _request_k(self, seq: Sequence, step_k: int) -> int:
         """The most drafts this request may get this step, from any proposer (the planner picks
-        how many it does get); a seeded sampled request keeps its own k."""
-        if seq.params.seeded_sampling:
-            return seq.num_speculative_tokens
+        how many it does get)."""
         return min(seq.num_speculative_tokens, step_k)
 
     def _positions(self, item: ScheduledSeq) -> int:

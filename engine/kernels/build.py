@@ -48,7 +48,10 @@ def build_key() -> str:
 
 
 def build_dir() -> Path:
-    root = os.environ.get("SPECSERVE_KERNELS_CACHE") or Path.home() / ".cache" / "specserve" / "kernels"
+    root = (
+        os.environ.get("SPECSERVE_KERNELS_CACHE")
+        or Path.home() / ".cache" / "specserve" / "kernels"
+    )
     path = Path(root) / build_key()
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -76,8 +79,12 @@ def load(verbose: bool = False) -> bool:
             is_python_module=False,
             verbose=verbose,
         )
-    except Exception as error:  # no compiler, no ninja, a build error: torch's kernels serve instead
-        log.warning("native kernels unavailable, using torch's (%s)", str(error).splitlines()[0][:200])
+    except (
+        Exception
+    ) as error:  # no compiler, no ninja, a build error: torch's kernels serve instead
+        log.warning(
+            "native kernels unavailable, using torch's (%s)", str(error).splitlines()[0][:200]
+        )
         return False
     log.info("native kernels loaded in %.1f s from %s", time.perf_counter() - started, build_dir())
     return True

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from engine.outputs import TokenLogprob
 from engine.sample.sampling_params import SamplingParams
+from engine.sample.seeded import gumbel_max, race
 
 # Sorting a 150k vocabulary costs tens of ms per row on CPU, while a top-p nucleus almost
 # always lies within the best few hundred tokens: look at these first, sort all only if needed.
@@ -224,33 +225,23 @@ def apply_min_p(probs: Tensor, sampling: SamplingTensors) -> Tensor:  # [N, V]
 
 def sample(
     probs: Tensor,  # [N, V]
-    generators: Sequence[torch.Generator | None],  # per row; None: the default generator
+    row_keys: Sequence[int | None],  # per row: a seeded row's noise key; None: the default RNG
 ) -> list[int]:
-    """Exponential race: argmax(p / E), E ~ Exp(1), picks token t with probability p[t].
+    """Exponential race: argmax(p / E), E ~ Exp(1), picks token t with probability p[t]. A seeded
+    row takes E from its position's counter-based noise (engine/sample/seeded.py), so its token
+    depends on its probabilities and key alone, never on the other rows or the RNG's state.
 
     One-hot rows (greedy) take their argmax without drawing anything."""
     ids = probs.argmax(dim=-1)  # [N]
     random_rows: list[int] = (probs.amax(dim=-1) < 1.0).nonzero().flatten().tolist()
-    if random_rows:
-        rows = probs[random_rows]  # [R, V]
-        noise = exponential_noise(rows.shape, [generators[i] for i in random_rows], rows.device)
-        ids[random_rows] = race(rows, noise)
-    return ids.tolist()
-
-
-def exponential_noise(
-    shape: torch.Size,  # [R, V]
-    generators: Sequence[torch.Generator | None],  # one per row
-    device: torch.device,
-) -> Tensor:  # [R, V] Exp(1) draws, each seeded row from its own generator
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    noise = torch.empty(shape, device=device)
+    seeded = [i for i in random_rows if row_keys[i] is not None]
+    unseeded = [i for i in random_rows if row_keys[i] is None]
     if unseeded:
-        noise[unseeded] = exponential((len(unseeded), shape[1]), None, device)
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            noise[i] = exponential((shape[1],), gen, device)
-    return noise
+        rows = probs[unseeded]  # [U, V]
+        ids[unseeded] = race(rows, exponential(tuple(rows.shape), None, rows.device))
+    if seeded:
+        ids[seeded] = gumbel_max(probs[seeded], [row_keys[i] or 0 for i in seeded])
+    return ids.tolist()
 
 
 def exponential(
@@ -266,13 +257,6 @@ def uniform(
     if generator is None:
         return torch.rand(shape, device=device)
     return torch.rand(shape, generator=generator, device=generator.device).to(device)
-
-
-def race(probs: Tensor, noise: Tensor) -> Tensor:  # [..., V], [..., V] -> [...] token ids
-    """argmax(probs / noise), computed in noise's memory (noise is used up)."""
-    # A zero draw would turn a zero-probability token into 0/0 = nan, which argmax may pick.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return torch.div(probs, noise, out=noise).argmax(dim=-1)
 
 
 def logprobs_of(

@@ -17,6 +17,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    # Which of a request's n choices this is: with a seed, each choice samples its own stream.
+    choice: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -43,12 +45,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    @property
-    def seeded_sampling(self) -> bool:
-        """Sampled under a seed: its random draws depend on k, so it keeps its own k (its seed must
-        reproduce whatever else is in the batch; greedy output does not depend on k at all)."""
-        return self.seed is not None and not self.greedy
 
     @property
     def has_penalties(self) -> bool:

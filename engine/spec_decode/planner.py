@@ -199,7 +199,7 @@ class SpecPlanner:
                 continue
             base_tokens += 1
             forced = item.k_for(FORCED_SOURCE)
-            if forced or item.seq.params.seeded_sampling or not item.num_spec_tokens:
+            if forced or not item.num_spec_tokens:
                 base_rows += item.num_spec_tokens
                 base_tokens += forced
             else:

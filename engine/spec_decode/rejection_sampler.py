@@ -14,11 +14,16 @@ A one-hot draft (n-gram) has q_i(x_i) = 1: accept with probability p_i(x_i), els
 p_i with x_i removed. Greedy is the limit where p is one-hot: accept while the draft equals the
 target's argmax.
 
+Seeded requests verify by sample-and-match instead (engine/sample/seeded.py): the target's token
+at position i is argmax(p_i / E_i) under that position's own noise E_i, a function of (seed,
+choice, position) only; draft x_i is accepted iff it equals that token, the first mismatch is
+replaced by it, and the bonus is the one after the last draft. Each emitted token is then exactly
+the token plain decoding would sample, whatever was drafted (greedy is the same rule with E = 1).
+
 `verify_batch` verifies a whole step at once in vLLM's flattened layout: request b has k_b drafts
 and k_b + 1 verify rows (one per draft, then the bonus row), stacked request after request into
-one [num_tokens, V] tensor; `cu_num_draft_tokens` holds the cumulative k_b. `verify` (one request)
-is the reference it must equal: a seeded request draws from its own generator exactly what `verify`
-would (k uniforms, then V for the recovered or bonus token), whatever else is in the batch.
+one [num_tokens, V] tensor; `cu_num_draft_tokens` holds the cumulative k_b. `verify` and
+`verify_seeded` (one request) are the references it must equal for greedy and seeded requests.
 """
 
 from __future__ import annotations
@@ -34,13 +39,12 @@ from engine.sample.sampler import (
     SamplingTensors,
     apply_penalties,
     exponential,
-    exponential_noise,
     probs_from_logits,
-    race,
     uniform,
     verification_penalty_pairs,
 )
 from engine.sample.sampling_params import SamplingParams
+from engine.sample.seeded import gumbel_max, race
 
 
 def verify(
@@ -64,7 +68,19 @@ def verify_greedy(
     target_probs: Tensor,  # [k+1, V] (or logits: only the argmax matters)
     draft_token_ids: list[int],
 ) -> list[int]:
-    target_ids: list[int] = target_probs.argmax(dim=-1).tolist()  # [k+1]
+    return _match(target_probs.argmax(dim=-1).tolist(), draft_token_ids)
+
+
+def verify_seeded(
+    target_probs: Tensor,  # [k+1, V] processed target probs at each draft position + bonus
+    draft_token_ids: list[int],  # k proposed tokens
+    row_keys: list[int],  # [k+1] the seeded noise keys of those output positions
+) -> list[int]:
+    """Sample-and-match: the drafts that equal the target's Gumbel-max tokens, then its next one."""
+    return _match(gumbel_max(target_probs, row_keys).tolist(), draft_token_ids)
+
+
+def _match(target_ids: list[int], draft_token_ids: list[int]) -> list[int]:  # [k+1], [k]
     a = 0
     while a < len(draft_token_ids) and draft_token_ids[a] == target_ids[a]:
         a += 1
@@ -185,7 +201,7 @@ def verify_batch(
     draft_probs: list[Tensor | None],  # [batch] [k_b, V] draft probs; None: one-hot (n-gram)
     params: list[SamplingParams],  # [batch]
     output_token_ids: list[list[int]],  # [batch] tokens so far; read only where penalties apply
-    generators: Sequence[torch.Generator | None],  # [batch] a seeded request's own generator
+    seeded_rows: Sequence[list[int] | None],  # [batch] a seeded request's k_b + 1 row keys
 ) -> list[list[int]]:  # [batch] accepted drafts + one recovered or bonus token
     """Verify a step's requests together: penalties, sampling transforms, rejection sampling,
     then one copy to the host."""
@@ -207,7 +223,7 @@ def verify_batch(
             draft_probs[group],
             params[group],
             output_token_ids[group],
-            generators[group],
+            seeded_rows[group],
         )
         output[group, : tokens.shape[1]] = tokens
         first_row += group_rows
@@ -237,7 +253,7 @@ def _verify_group(
     draft_probs: list[Tensor | None],  # [batch] [k_b, V]
     params: list[SamplingParams],  # [batch]
     output_token_ids: list[list[int]],  # [batch]
-    generators: Sequence[torch.Generator | None],  # [batch]
+    seeded_rows: Sequence[list[int] | None],  # [batch]
 ) -> Tensor:  # [batch, max_k + 1] output token ids padded with -1
     device, vocab_size = target_logits.device, target_logits.shape[1]
     metadata = SpecDecodeMetadata.from_drafts(draft_token_ids, device)
@@ -254,7 +270,7 @@ def _verify_group(
             [draft_token_ids[b] for b in penalized],
         )
         logits = apply_penalties(logits, sampling, rows, ids)
-    output, _ = rejection_sample(logits, sampling, metadata, draft_probs, generators)
+    output, _ = rejection_sample(logits, sampling, metadata, draft_probs, seeded_rows)
     return output
 
 
@@ -263,54 +279,75 @@ def rejection_sample(
     sampling: SamplingTensors,  # num_tokens rows
     metadata: SpecDecodeMetadata,
     draft_probs: list[Tensor | None],  # [batch] [k_b, V]; None: one-hot drafts
-    generators: Sequence[torch.Generator | None],  # [batch]
+    seeded_rows: Sequence[list[int] | None],  # [batch] a seeded request's k_b + 1 row keys
 ) -> tuple[Tensor, Tensor]:  # output token ids [batch, max_k + 1], num_accepted [batch]
     """Accepted drafts, then a recovered token at the first rejection or a bonus token after all
     k_b; the output rows are padded with -1.
 
+    Greedy and seeded requests verify by matching: the target's own token at each verify row (its
+    argmax, or the Gumbel-max under that position's seeded noise) accepts the draft there iff they
+    are equal, and is the recovered or bonus token; so they emit exactly what plain decoding
+    would. Unseeded sampled requests take rejection sampling, which accepts the most.
+
     The draft probs stay per request, as proposers hand them over: verification reads only q at
     each draft and one row per request, so stacking all [num_draft_tokens, V] would be a copy."""
     m, device = metadata, target_logits.device
-    sampled = [b for b in range(m.batch_size) if not sampling.is_greedy[m.first_rows[b]]]
+    greedy = [sampling.is_greedy[m.first_rows[b]] for b in range(m.batch_size)]
+    seeded = [b for b, g in enumerate(greedy) if not g and seeded_rows[b] is not None]
+    rejecting = [b for b, g in enumerate(greedy) if not g and seeded_rows[b] is None]
+    target_probs = probs_from_logits(target_logits, sampling) if seeded or rejecting else None
+    own = _own_tokens(target_logits, target_probs, m, any(greedy), seeded, seeded_rows)
     accepted = torch.zeros(len(m.draft_token_ids), dtype=torch.bool, device=device)
-    target_argmax = None
-    if len(sampled) < m.batch_size:  # greedy requests accept while the draft is the argmax
-        target_argmax = target_logits.argmax(dim=-1)  # [num_tokens]
-        accepted = m.draft_token_ids == target_argmax[m.target_rows]  # [num_draft_tokens]
-    target_probs = None
-    if sampled:
-        target_probs = probs_from_logits(target_logits, sampling)  # [num_tokens, V]
-        uniforms = _draft_uniforms(m, sampled, generators, device)  # [num_draft_tokens]
+    if own is not None:
+        accepted = m.draft_token_ids == own[m.target_rows]  # [num_draft_tokens]
+    if rejecting:
+        assert target_probs is not None
+        uniforms = uniform((len(m.draft_token_ids),), None, device)  # [num_draft_tokens]
         q = _draft_probs_at_drafts(draft_probs, m)  # [num_draft_tokens]
         stochastic = _accept_sampled(target_probs, m, q, uniforms)
-        greedy_draft = sampling.greedy[m.target_rows]  # [num_draft_tokens]
-        accepted = stochastic if target_argmax is None else accepted.where(greedy_draft, stochastic)
+        matching = torch.tensor([b not in rejecting for b in range(m.batch_size)], device=device)
+        accepted = accepted.where(matching[m.draft_request], stochastic)
     num_accepted = _num_accepted(accepted, m)  # [batch]
-    if target_argmax is None:
+    if own is None:
         final = torch.empty(m.batch_size, dtype=torch.long, device=device)
-    else:  # greedy's recovered or bonus token: the argmax at the first mismatch or after k
-        final = target_argmax[torch.tensor(m.first_rows, device=device) + num_accepted]  # [batch]
-    if target_probs is not None:
-        gens = [generators[b] for b in sampled]
+    else:  # the target's own token at the first mismatch or after k
+        final = own[torch.tensor(m.first_rows, device=device) + num_accepted]  # [batch]
+    if rejecting:
+        assert target_probs is not None
         recovered_or_bonus = _recover_or_bonus(
-            target_probs, m, draft_probs, num_accepted, sampled, gens
+            target_probs, m, draft_probs, num_accepted, rejecting
         )
-        final[torch.tensor(sampled, device=device)] = recovered_or_bonus
+        final[torch.tensor(rejecting, device=device)] = recovered_or_bonus
     return _output_token_ids(m, num_accepted, final), num_accepted
 
 
-def _draft_uniforms(
+def _own_tokens(
+    target_logits: Tensor,  # [num_tokens, V]
+    target_probs: Tensor | None,  # [num_tokens, V] processed; None when nothing samples
     m: SpecDecodeMetadata,
-    sampled: list[int],  # requests that sample (not greedy)
-    generators: Sequence[torch.Generator | None],  # [batch]
-    device: torch.device,
-) -> Tensor:  # [num_draft_tokens] U[0, 1): unseeded requests share one draw
-    u = uniform((len(m.draft_token_ids),), None, device)
-    for b in sampled:
-        gen = generators[b]
-        if gen is not None:
-            u[m.drafts_of(b)] = uniform((m.num_draft_tokens[b],), gen, device)
-    return u
+    any_greedy: bool,
+    seeded: list[int],  # the seeded sampled requests
+    seeded_rows: Sequence[list[int] | None],  # [batch]
+) -> Tensor | None:  # [num_tokens] the target's own token where a request matches; None: none do
+    if not any_greedy and not seeded:
+        return None
+    if any_greedy:
+        own = target_logits.argmax(dim=-1)  # [num_tokens]
+    else:
+        own = torch.empty(target_logits.shape[0], dtype=torch.long, device=target_logits.device)
+    if seeded:
+        assert target_probs is not None
+        rows, keys = [], []
+        for b in seeded:
+            first, num_rows = m.first_rows[b], m.num_draft_tokens[b] + 1
+            row_keys = seeded_rows[b] or []
+            if len(row_keys) != num_rows:
+                raise ValueError(f"{len(row_keys)} seeded row keys for {num_rows} verify rows")
+            rows += range(first, first + num_rows)
+            keys += row_keys
+        index = torch.tensor(rows, device=own.device)
+        own[index] = gumbel_max(target_probs[index], keys)
+    return own
 
 
 def _draft_probs_at_drafts(
@@ -353,7 +390,6 @@ def _recover_or_bonus(
     draft_probs: list[Tensor | None],  # [batch] [k_b, V]; None: one-hot drafts
     num_accepted: Tensor,  # [batch]
     sampled: list[int],  # the S requests that sample
-    generators: list[torch.Generator | None],  # [S]
 ) -> Tensor:  # [S] token ids
     """Draw from norm(max(0, p - q)) at the first rejection, from p after all k were accepted."""
     device = target_probs.device
@@ -368,7 +404,7 @@ def _recover_or_bonus(
         # p == q leaves nothing to recover from (only reached by float error): fall back to p.
         use_target = (a == k) | (residual.sum(dim=-1) <= 0.0)  # [S]
         dist = torch.where(use_target[:, None], dist, residual)
-    noise = exponential_noise(dist.shape, generators, device)  # [S, V]
+    noise = exponential(tuple(dist.shape), None, device)  # [S, V]
     return race(dist, noise)
 
 

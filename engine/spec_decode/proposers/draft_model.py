@@ -16,7 +16,7 @@ import torch
 from engine.model.runner import ForwardInput, ModelRunner
 from engine.sample import structured
 from engine.sample.sampler import processed_probs, sample
-from engine.sequence import ScheduledSeq
+from engine.sequence import ScheduledSeq, Sequence
 from engine.spec_decode.proposers.base import Proposal
 
 
@@ -86,7 +86,10 @@ class DraftModelProposer:
         if not proposes.all():
             logits = torch.where(proposes[:, None], logits, 0.0)
         step_probs = processed_probs(logits, [seq.params for seq in seqs], history)
-        tokens = sample(step_probs, [seq.generator for seq in seqs])
+        # A seeded request drafts with the noise of the very position it drafts, the noise the
+        # target samples that position with: where q is close to p, the draft is the target's token.
+        row_keys = [_row_key(seq, len(drafts[key])) for seq, key in zip(seqs, keys, strict=True)]
+        tokens = sample(step_probs, row_keys)
         # Confidence uses the raw draft distribution, so greedy (one-hot) rows are judged too.
         confidence = torch.softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens]
         confident = (proposes & (confidence >= self.p_min)).tolist()
@@ -105,5 +108,13 @@ class DraftModelProposer:
     ) -> Proposal:
         if not drafted or probs is None:
             return Proposal.empty()
-        stacked = None if item.seq.params.greedy else torch.stack(probs)  # [k, draft_vocab]
+        # Greedy and seeded requests verify by matching the target's own token: q goes unread.
+        matched = item.seq.params.greedy or item.seq.seed_stream is not None
+        stacked = None if matched else torch.stack(probs)  # [k, draft_vocab]
         return Proposal(drafted, stacked, self.name, frontier)
+
+
+def _row_key(seq: Sequence, num_drafted: int) -> int | None:
+    """The seeded noise key of the output position this draft fills; None for unseeded requests."""
+    keys = seq.seeded_row_keys(1, ahead=num_drafted)
+    return None if keys is None else keys[0]

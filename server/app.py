@@ -172,7 +172,11 @@ Serving = Annotated[Endpoints, Depends(ready_serving)]
 
 def _ready(pick: Callable[[Endpoints], T]) -> Callable[[Request], T]:
     """A dependency giving one endpoint's serving object once the server is ready."""
-    return lambda request: pick(ready_serving(request))
+
+    def serving(request: Request) -> T:
+        return pick(ready_serving(request))
+
+    return serving
 
 
 CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]

@@ -16,12 +16,15 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    TypeAdapter,
+    ValidationError,
     field_validator,
     model_validator,
 )
 
 from server.protocol import ChatCompletionRequest, random_id
 from server.protocol_out import SpecDecodeSummary
+from server.request_body import UNION_TAG
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 MAX_METADATA = 16
@@ -102,6 +105,18 @@ InputItem = Annotated[
 ]
 
 
+_ITEM = TypeAdapter(InputItem)
+
+
+def _input_item(index: int, value: Any) -> Any:
+    try:
+        return _ITEM.validate_python(value, strict=True)
+    except ValidationError as exc:
+        err = max(exc.errors(), key=lambda e: len(e["loc"]))  # the deepest union member's
+        path = [str(p) for p in err["loc"][1:] if not UNION_TAG.fullmatch(str(p))]
+        raise ValueError(f"{'.'.join([str(index), *path])}: {err['msg']}") from None
+
+
 # ---------------------------------------------------------------------------- tools and formats
 
 
@@ -167,6 +182,16 @@ class ResponsesRequest(BaseModel):
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
     ignore_eos: bool = False
     num_speculative_tokens: Annotated[int, Field(ge=0, le=64)] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, value: Any) -> Any:
+        """A string, or items each checked alone, so an error names the item and its field."""
+        if isinstance(value, str) and value:
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a non-empty string or a non-empty list of items")
+        return [_input_item(i, item) for i, item in enumerate(value)]
 
     @field_validator("tools")
     @classmethod

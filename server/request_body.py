@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from server.errors import APIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
-_UNION_TAG = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]")
+UNION_TAG = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]")
 
 
 def parse_json(raw: bytes) -> Any:
@@ -98,7 +98,7 @@ def _param_of(loc: Any) -> str | None:
     for part in loc:
         if part == "body":
             continue
-        if isinstance(part, str) and _UNION_TAG.fullmatch(part):
+        if isinstance(part, str) and UNION_TAG.fullmatch(part):
             break
         parts.append(str(part))
     return ".".join(parts) or None

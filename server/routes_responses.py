@@ -34,15 +34,17 @@ def responses_routes(
     """`serving` gives the ready endpoint (or raises 503); `keyed`: an API key is required, so
     stored responses are kept apart by key."""
     router = APIRouter()
-    Serving = Annotated[OpenAIServingResponses, Depends(serving)]
 
     def owner(request: Request) -> str:
         return owner_of(presented_key(request)) if keyed else ""
 
-    Owner = Annotated[str, Depends(owner)]
+    # Dependencies as defaults: an Annotated alias local to this function would not resolve.
+    Serving, Owner = Depends(serving), Depends(owner)
 
     @router.post("/v1/responses")
-    async def create(req: ResponsesBody, raw: Request, s: Serving, who: Owner) -> Response:
+    async def create(
+        req: ResponsesBody, raw: Request, s: OpenAIServingResponses = Serving, who: str = Owner
+    ) -> Response:
         s.check_model(req.model)
         prepared = await s.prepare(req, who)
         if req.stream:
@@ -50,19 +52,23 @@ def responses_routes(
         return JSONResponse((await s.create(prepared, raw)).model_dump())
 
     @router.get("/v1/responses/{response_id}")
-    async def get(response_id: str, s: Serving, who: Owner) -> dict[str, Any]:
+    async def get(
+        response_id: str, s: OpenAIServingResponses = Serving, who: str = Owner
+    ) -> dict[str, Any]:
         return s.get(response_id, who).response
 
     @router.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str, s: Serving, who: Owner) -> DeletedResponse:
+    async def delete(
+        response_id: str, s: OpenAIServingResponses = Serving, who: str = Owner
+    ) -> DeletedResponse:
         s.delete(response_id, who)
         return DeletedResponse(id=response_id)
 
     @router.get("/v1/responses/{response_id}/input_items")
     async def input_items(
         response_id: str,
-        s: Serving,
-        who: Owner,
+        s: OpenAIServingResponses = Serving,
+        who: str = Owner,
         limit: Annotated[int, Query(ge=1, le=100)] = 20,
         order: Literal["asc", "desc"] = "desc",
         after: str | None = None,
@@ -70,7 +76,9 @@ def responses_routes(
         return s.input_items(response_id, who, limit, order, after)
 
     @router.post("/v1/responses/{response_id}/cancel")
-    async def cancel(response_id: str, s: Serving, who: Owner) -> dict[str, Any]:
+    async def cancel(
+        response_id: str, s: OpenAIServingResponses = Serving, who: str = Owner
+    ) -> dict[str, Any]:
         return await s.cancel(response_id, who)
 
     return router

@@ -29,10 +29,12 @@ from server.protocol import (
 )
 from server.protocol_out import ModelCard, ModelList, ModelWeights
 from server.request_body import json_body, validation_error
+from server.routes_messages import messages_routes
 from server.routes_responses import responses_routes
 from server.serving import ClientDisconnected, OpenAIServing, Stream, as_api_error
 from server.serving_chat import OpenAIServingChat
 from server.serving_completion import OpenAIServingCompletion
+from server.serving_messages import AnthropicServingMessages
 from server.serving_responses import OpenAIServingResponses
 from server.settings import Settings
 
@@ -54,6 +56,7 @@ class Endpoints:
     completions: OpenAIServingCompletion
     chat: OpenAIServingChat
     responses: OpenAIServingResponses
+    messages: AnthropicServingMessages
 
     @classmethod
     def build(cls, engine: AsyncLLM, settings: Settings, metrics: Metrics) -> Endpoints:
@@ -62,6 +65,7 @@ class Endpoints:
             OpenAIServingCompletion(engine, settings, metrics),
             OpenAIServingChat(engine, settings, metrics),
             OpenAIServingResponses(engine, settings, metrics),
+            AnthropicServingMessages(engine, settings, metrics),
         )
 
 
@@ -121,6 +125,7 @@ def create_app(
     app.include_router(_api_routes(state))
     sse = lambda s, stream: _sse(s, stream, settings)  # noqa: E731
     app.include_router(responses_routes(_ready(lambda e: e.responses), sse, bool(settings.api_key)))
+    app.include_router(messages_routes(_ready(lambda e: e.messages), sse))
     app.include_router(_open_routes(state))
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)

@@ -17,14 +17,13 @@ from pydantic import (
     Field,
     Tag,
     TypeAdapter,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
 from server.protocol import ChatCompletionRequest, random_id
 from server.protocol_out import SpecDecodeSummary
-from server.request_body import UNION_TAG
+from server.request_body import validate_each
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 MAX_METADATA = 16
@@ -108,15 +107,6 @@ InputItem = Annotated[
 _ITEM = TypeAdapter(InputItem)
 
 
-def _input_item(index: int, value: Any) -> Any:
-    try:
-        return _ITEM.validate_python(value, strict=True)
-    except ValidationError as exc:
-        err = max(exc.errors(), key=lambda e: len(e["loc"]))  # the deepest union member's
-        path = [str(p) for p in err["loc"][1:] if not UNION_TAG.fullmatch(str(p))]
-        raise ValueError(f"{'.'.join([str(index), *path])}: {err['msg']}") from None
-
-
 # ---------------------------------------------------------------------------- tools and formats
 
 
@@ -191,7 +181,7 @@ class ResponsesRequest(BaseModel):
             return value
         if not isinstance(value, list) or not value:
             raise ValueError("must be a non-empty string or a non-empty list of items")
-        return [_input_item(i, item) for i, item in enumerate(value)]
+        return validate_each(_ITEM, value)
 
     @field_validator("tools")
     @classmethod

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from server.errors import APIError, bad_request
 
@@ -77,6 +77,21 @@ def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
             raise validation_error(exc.errors()) from None
 
     return parse
+
+
+def validate_each(adapter: TypeAdapter[Any], values: list[Any]) -> list[Any]:
+    """Validate list items one by one, so an error names the item and its deepest field (a
+    union's first member's complaint, "should be a valid string", helps no one)."""
+    return [_validate_item(adapter, i, value) for i, value in enumerate(values)]
+
+
+def _validate_item(adapter: TypeAdapter[Any], index: int, value: Any) -> Any:
+    try:
+        return adapter.validate_python(value, strict=True)
+    except ValidationError as exc:
+        err = max(exc.errors(), key=lambda e: len(e["loc"]))
+        path = [str(p) for p in err["loc"][1:] if not UNION_TAG.fullmatch(str(p))]
+        raise ValueError(f"{'.'.join([str(index), *path])}: {err['msg']}") from None
 
 
 def validation_error(errors: Any) -> APIError:

@@ -196,7 +196,8 @@ class MessagesRequest(BaseModel):
         }
         if self.custom_tools:
             body |= _chat_tools(self.custom_tools, self.tool_choice)
-        if self.output_config is not None and self.output_config.format is not None:
+        forced = self.tool_choice is not None and self.tool_choice.type in ("any", "tool")
+        if self.output_config and self.output_config.format and not (self.tools and forced):
             schema = self.output_config.format.schema_
             body["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
         return ChatCompletionRequest.model_validate(

@@ -252,7 +252,8 @@ class ResponsesRequest(BaseModel):
             ]
             body["tool_choice"] = _chat_tool_choice(self.tool_choice)
         fmt = self.text.format if self.text is not None else None
-        if fmt is not None:
+        forced = tools and self.tool_choice not in (None, "auto", "none")
+        if fmt is not None and not forced:  # a forced call is all the output: no text to format
             body["response_format"] = _chat_format(fmt)
         return ChatCompletionRequest.model_validate(
             {k: v for k, v in body.items() if v is not None}

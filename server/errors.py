@@ -3,6 +3,7 @@ or Anthropic's `{"type": "error", "error": {"type", "message"}}` on the Messages
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -58,7 +59,8 @@ class APIError(Exception):
 
     def anthropic_body(self) -> dict[str, Any]:
         kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        error = {"type": kind, "message": self.message}
+        return {"type": "error", "error": error, "request_id": f"req_{uuid.uuid4().hex}"}
 
     def response(self, path: str = "") -> JSONResponse:
         """OpenAI's shape, or Anthropic's for the Messages API's paths."""

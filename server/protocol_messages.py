@@ -297,10 +297,17 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 class Usage(BaseModel):
+    """Anthropic's usage; the fields it keeps for its own features are there, null."""
+
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    cache_creation: None = None
+    inference_geo: None = None
+    output_tokens_details: None = None
+    server_tool_use: None = None
+    service_tier: None = None
 
 
 class MessagesResponse(BaseModel):
@@ -311,5 +318,7 @@ class MessagesResponse(BaseModel):
     content: list[dict[str, Any]]
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
+    stop_details: None = None
+    container: None = None
     usage: Usage
     spec_decode: SpecDecodeSummary | None = None

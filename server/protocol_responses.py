@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from server.protocol import ChatCompletionRequest, random_id
+from server.protocol import ChatCompletionRequest, _none, random_id
 from server.protocol_out import SpecDecodeSummary
 from server.request_body import validate_each
 
@@ -397,8 +397,8 @@ class ResponseObject(BaseModel):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     top_p: float | None = None
     truncation: Literal["disabled"] = "disabled"
-    usage: ResponseUsage | None = None
-    user: str | None = None
+    usage: ResponseUsage | None = Field(default=None, exclude_if=_none)
+    user: str | None = Field(default=None, exclude_if=_none)  # a string or absent
     metadata: dict[str, str] = Field(default_factory=dict)
     spec_decode: SpecDecodeSummary | None = None
 

@@ -44,7 +44,7 @@ class OutputBuilder:
         item = OutputMessage()
         events = self._add(item)
         item.content.append(OutputText(text=""))
-        part = {"type": "output_text", "text": "", "annotations": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         events.append(self._at(item, "response.content_part.added", content_index=0, part=part))
         return events
 

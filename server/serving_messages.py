@@ -45,7 +45,8 @@ class BlockBuilder:
         for call in delta.calls:
             if call.id is not None:
                 events += self.close()
-                events += self._start({"type": "tool_use", "id": call.id, "name": call.name})
+                use = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+                events += self._start(use | {"caller": {"type": "direct"}})
                 self.arguments[len(self.blocks) - 1] = ""
             if call.arguments:
                 self.arguments[len(self.blocks) - 1] += call.arguments
@@ -61,17 +62,15 @@ class BlockBuilder:
     def _text(self, text: str) -> list[Event]:
         events: list[Event] = []
         if not (self.open and self.blocks[-1]["type"] == "text"):
-            events = self.close() + self._start({"type": "text", "text": ""})
+            events = self.close() + self._start({"type": "text", "text": "", "citations": None})
         self.blocks[-1]["text"] += text
         return [*events, self._delta({"type": "text_delta", "text": text})]
 
     def _start(self, block: dict[str, Any]) -> list[Event]:
         self.blocks.append(block)
         self.open = True
-        shown = block | {"input": {}} if block["type"] == "tool_use" else dict(block)
-        return [
-            {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": shown}
-        ]
+        start = {"type": "content_block_start", "index": len(self.blocks) - 1}
+        return [start | {"content_block": dict(block)}]
 
     def _delta(self, delta: dict[str, Any]) -> Event:
         return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
@@ -157,11 +156,12 @@ class AnthropicServingMessages(OpenAIServingChat):
         for event in builder.close():
             yield _sse(event)
         reason, sequence = stop_reason(c, builder.has_tool_use, chat)
-        usage = _usage(c).model_dump()
+        usage = _usage(c).model_dump(exclude={"cache_creation", "inference_geo", "service_tier"})
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
         yield _sse(
             {
                 "type": "message_delta",
-                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "delta": delta | {"stop_details": None, "container": None},
                 "usage": usage,
                 "spec_decode": total_spec([c]).model_dump(),
             }

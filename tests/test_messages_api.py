@@ -146,9 +146,11 @@ def test_bearer_works_and_a_bad_key_is_401(server: RealServer) -> None:
     assert ok.status_code == 200
     bad = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": "nope"})
     assert bad.status_code == 401
-    assert bad.json() == {
-        "type": "error",
-        "error": {"type": "authentication_error", "message": "invalid or missing API key"},
+    body = bad.json()
+    assert body["type"] == "error" and body["request_id"].startswith("req_")
+    assert body["error"] == {
+        "type": "authentication_error",
+        "message": "invalid or missing API key",
     }
 
 
@@ -172,6 +174,9 @@ def test_errors_in_anthropic_shape(
     assert r.status_code == status, r.text
     payload = r.json()
     assert payload["type"] == "error" and set(payload["error"]) == {"type", "message"}
+    assert payload["error"]["type"] == (
+        "not_found_error" if status == 404 else "invalid_request_error"
+    )
     assert needle in payload["error"]["message"]
 
 

@@ -1,6 +1,7 @@
 """/v1/messages (Anthropic Messages) on a live server (real engine, tiny model with Qwen2.5's
 chat template, n-gram speculation) through the official `anthropic` SDK: text, stop sequences,
-max_tokens, streaming, a tool round trip, JSON output, count_tokens, keys and errors."""
+max_tokens, streaming, a tool round trip, JSON output, count_tokens, keys and errors; bodies,
+events and errors checked against Anthropic's published document."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from api_specs import sse_events, validate
 from server_utils import RealServer, real_server
 from test_responses_api import DIGIT_SCHEMA, tool_model_dir  # noqa: F401 - a fixture
 
@@ -184,3 +186,40 @@ def test_malformed_json_is_anthropic_400(http: httpx.Client) -> None:
     r = http.post("/v1/messages", content=b"{not json")
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+CONFORMANCE_BODIES: list[dict[str, Any]] = [
+    {"max_tokens": 8, "messages": ASK, "system": "Be brief."},
+    {"max_tokens": 200, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "any"}},
+    {
+        "max_tokens": 24,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Count"}]}],
+        "stop_sequences": ["3"],
+        "top_k": 1,
+    },
+]
+
+
+@pytest.mark.parametrize("body", CONFORMANCE_BODIES)
+def test_conforms_to_anthropic_document(http: httpx.Client, body: dict[str, Any]) -> None:
+    body = {"model": "tiny", "temperature": 0} | body
+    validate("anthropic", "CreateMessageParams", body)
+    r = http.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    validate("anthropic", "Message", r.json())
+    events = sse_events(http, "/v1/messages", body)
+    for name, event in events:
+        assert name == event["type"]
+        if event["type"] != "ping":  # Anthropic sends pings; its document does not list them
+            validate("anthropic", "MessageStreamEvent", event)
+    count = http.post(
+        "/v1/messages/count_tokens", json={"model": "tiny", "messages": body["messages"]}
+    )
+    validate("anthropic", "CountMessageTokensResponse", count.json())
+    for bad in (
+        http.post("/v1/messages", json={"model": "tiny", "messages": []}),
+        http.post("/v1/messages", json={"model": "nope", "max_tokens": 1, "messages": ASK}),
+        http.post("/v1/messages", content=b"{"),
+    ):
+        assert 400 <= bad.status_code < 500
+        validate("anthropic", "ErrorResponse", bad.json())

@@ -1,17 +1,20 @@
 """/v1/responses on a live server (real engine, tiny model with Qwen2.5's chat template, n-gram
-speculation) through the official `openai` SDK: text, JSON schema, function tools, streaming,
-the response store and previous_response_id, background and cancel, errors."""
+speculation, an API key) through the official `openai` SDK and the OpenAI Agents SDK: text, JSON
+schema, function tools, streaming, the response store and previous_response_id, background and
+cancel, speculative = plain, errors; bodies and events checked against OpenAI's document."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
+from api_specs import sse_events, validate
 from pydantic import BaseModel, Field
 from server_utils import RealServer, assert_error_shape, real_server, wait_for
 from test_tools import QWEN_TEMPLATE
@@ -31,6 +34,7 @@ WEATHER = {
     "strict": True,
 }
 ASK = "What is the weather in Paris?"
+KEY = "test-key"
 
 
 class Digit(BaseModel):
@@ -59,18 +63,19 @@ def tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tool_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
     store = tmp_path_factory.mktemp("store") / "responses.sqlite3"
-    with real_server(tool_model_dir, response_store_path=str(store)) as live:
+    with real_server(tool_model_dir, response_store_path=str(store), api_key=KEY) as live:
         yield live
 
 
 @pytest.fixture(scope="module")
 def client(server: RealServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def http(server: RealServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as client:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
         yield client
 
 
@@ -245,3 +250,105 @@ def test_bad_requests_are_400(http: httpx.Client, body: dict[str, Any], needle: 
     r = http.post("/v1/responses", json={"model": "tiny"} | body)
     assert r.status_code == 400, r.text
     assert needle in assert_error_shape(r.json(), 400)["message"]
+
+
+def test_speculative_equals_plain(client: openai.OpenAI) -> None:
+    args = greedy(input="The quick brown fox. The quick brown", max_output_tokens=24)
+    speculative = client.responses.create(**args, extra_body={"ignore_eos": True})
+    plain = client.responses.create(
+        **args, extra_body={"ignore_eos": True, "num_speculative_tokens": 0}
+    )
+    summary = (speculative.model_extra or {})["spec_decode"]
+    assert summary["drafted_tokens"] > 0, "the repeated prompt gives the n-gram proposer drafts"
+    assert (plain.model_extra or {})["spec_decode"]["drafted_tokens"] == 0
+    assert speculative.output_text == plain.output_text
+
+
+# ---------------------------------------------------------------------------- the Agents SDK
+
+
+class Answer(BaseModel):
+    weather: Literal["sunny", "rainy"]
+
+
+def test_agents_runner_tool_round_trip(server: RealServer) -> None:
+    agents = pytest.importorskip("agents")
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    agents.set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    agent = agents.Agent(
+        name="weather",
+        instructions="Answer with the weather.",
+        tools=[get_weather],
+        model=agents.OpenAIResponsesModel(model="tiny", openai_client=client),
+        # The first turn must call the tool; the SDK then resets tool_choice, so the second
+        # turn answers, in JSON held to the output type's schema (so the random model ends).
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=200),
+        output_type=Answer,
+    )
+    result = asyncio.run(agents.Runner.run(agent, ASK, max_turns=3))
+    assert len(calls) == 1 and calls[0] in ("Paris", "Rome")
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
+    assert kinds[-1] == "message_output_item"
+    assert isinstance(result.final_output, Answer)
+    assert len(result.raw_responses) == 2
+
+
+# ---------------------------------------------------------------------------- conformance
+
+# Stream event type -> its schema in OpenAI's document.
+EVENT_SCHEMAS = {
+    "response.created": "ResponseCreatedEvent",
+    "response.in_progress": "ResponseInProgressEvent",
+    "response.completed": "ResponseCompletedEvent",
+    "response.incomplete": "ResponseIncompleteEvent",
+    "response.failed": "ResponseFailedEvent",
+    "response.output_item.added": "ResponseOutputItemAddedEvent",
+    "response.output_item.done": "ResponseOutputItemDoneEvent",
+    "response.content_part.added": "ResponseContentPartAddedEvent",
+    "response.content_part.done": "ResponseContentPartDoneEvent",
+    "response.output_text.delta": "ResponseTextDeltaEvent",
+    "response.output_text.done": "ResponseTextDoneEvent",
+    "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
+    "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
+}
+CONFORMANCE_BODIES: list[dict[str, Any]] = [
+    {"input": "Hi", "instructions": "Be brief.", "max_output_tokens": 16, "metadata": {"k": "v"}},
+    {"input": ASK, "tools": [WEATHER], "tool_choice": "required"},
+    {"input": "A digit", "text": {"format": {"type": "json_schema", "name": "d", "schema": DIGIT_SCHEMA}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body", CONFORMANCE_BODIES)
+def test_conforms_to_openai_document(http: httpx.Client, body: dict[str, Any]) -> None:
+    body = {"model": "tiny", "temperature": 0, "max_output_tokens": 200} | body
+    validate("openai", "CreateResponse", body)
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    validate("openai", "Response", r.json())
+    events = sse_events(http, "/v1/responses", body)
+    for name, event in events:
+        assert name == event["type"]
+        validate("openai", EVENT_SCHEMAS[event["type"]], event)
+    streamed = events[-1][1]["response"]["output"]
+    ids = ("id", "call_id")  # the stream's own; all else as the whole response
+    whole = [
+        a | {k: b[k] for k in ids if k in a}
+        for a, b in zip(r.json()["output"], streamed, strict=True)
+    ]
+    assert whole == streamed
+    items = http.get(f"/v1/responses/{r.json()['id']}/input_items")
+    validate("openai", "ResponseItemList", items.json())
+    for bad in (
+        http.get("/v1/responses/resp_missing"),
+        http.post("/v1/responses", json={"input": "x", "tools": [{"type": "web_search"}]}),
+    ):
+        validate("openai", "ErrorResponse", bad.json())

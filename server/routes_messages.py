@@ -34,8 +34,8 @@ def messages_routes(
         chat, jobs = await s.prepare(req)
         s.check_capacity()
         if req.stream:
-            return sse(s, s.create_stream(chat, jobs))
-        return JSONResponse((await s.create(chat, jobs, raw)).model_dump())
+            return sse(s, s.stream_message(chat, jobs))
+        return JSONResponse((await s.create_message(chat, jobs, raw)).model_dump())
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountBody, s: AnthropicServingMessages = Serving) -> dict[str, int]:

@@ -48,8 +48,8 @@ def responses_routes(
         s.check_model(req.model)
         prepared = await s.prepare(req, who)
         if req.stream:
-            return sse(s, s.create_stream(prepared))
-        return JSONResponse((await s.create(prepared, raw)).model_dump())
+            return sse(s, s.stream_response(prepared))
+        return JSONResponse((await s.create_response(prepared, raw)).model_dump())
 
     @router.get("/v1/responses/{response_id}")
     async def get(

@@ -36,6 +36,8 @@ from server.tool_parser import ParsedDelta, ToolCallParser, parse_message
 
 
 class OpenAIServingChat(OpenAIServing):
+    endpoint = "chat_completions"
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> ChatCompletionResponse:
         response_id = random_id("chatcmpl")
         jobs = await self.chat_jobs(req, response_id)

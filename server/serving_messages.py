@@ -45,7 +45,12 @@ class BlockBuilder:
         for call in delta.calls:
             if call.id is not None:
                 events += self.close()
-                use = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+                use: dict[str, Any] = {
+                    "type": "tool_use",
+                    "id": call.id,
+                    "name": call.name,
+                    "input": {},
+                }
                 events += self._start(use | {"caller": {"type": "direct"}})
                 self.arguments[len(self.blocks) - 1] = ""
             if call.arguments:
@@ -95,6 +100,8 @@ def _tool_input(arguments: str) -> dict[str, Any]:
 
 
 class AnthropicServingMessages(OpenAIServingChat):
+    endpoint = "messages"
+
     async def prepare(self, req: MessagesRequest) -> tuple[ChatCompletionRequest, list[Job]]:
         chat = self.chat_request(req)
         return chat, await self.chat_jobs(chat, message_id())
@@ -111,7 +118,7 @@ class AnthropicServingMessages(OpenAIServingChat):
         text = self.chat_prompt(self.chat_request(req))
         return {"input_tokens": len(self.tokenizer.encode(text, add_special_tokens=False))}
 
-    async def create(
+    async def create_message(
         self, chat: ChatCompletionRequest, jobs: list[Job], raw: Request
     ) -> MessagesResponse:
         (c,) = await self.collect(raw, jobs)
@@ -129,7 +136,7 @@ class AnthropicServingMessages(OpenAIServingChat):
             spec_decode=total_spec([c]),
         )
 
-    def create_stream(self, chat: ChatCompletionRequest, jobs: list[Job]) -> Stream:
+    def stream_message(self, chat: ChatCompletionRequest, jobs: list[Job]) -> Stream:
         return Stream(self._events(chat, jobs), [job.request_id for job in jobs])
 
     async def _events(

@@ -68,6 +68,8 @@ def not_found(response_id: str) -> APIError:
 
 
 class OpenAIServingResponses(OpenAIServingChat):
+    endpoint = "responses"
+
     def __init__(self, engine: AsyncLLM, settings: Settings, metrics: Metrics) -> None:
         super().__init__(engine, settings, metrics)
         self._store: ResponseStore | None = None
@@ -119,7 +121,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             raise bad_request("the previous response is still in progress", "previous_response_id")
         return previous.context
 
-    async def create(self, p: Prepared, raw: Request) -> ResponseObject:
+    async def create_response(self, p: Prepared, raw: Request) -> ResponseObject:
         if p.req.background:
             return self._start_background(p)
         with self._running(p):
@@ -190,7 +192,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     # ------------------------------------------------------------------ streaming
 
-    def create_stream(self, p: Prepared) -> Stream:
+    def stream_response(self, p: Prepared) -> Stream:
         return Stream(self._events(p), [job.request_id for job in p.jobs])
 
     async def _events(self, p: Prepared) -> AsyncIterator[dict[str, str]]:

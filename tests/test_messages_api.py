@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 from api_specs import sse_events, validate
-from server_utils import RealServer, real_server
+from server_utils import RealServer, metric_value, real_server
 from test_responses_api import DIGIT_SCHEMA, tool_model_dir  # noqa: F401 - a fixture
 
 KEY = "k"
@@ -133,6 +133,12 @@ def test_json_output(client: anthropic.Anthropic) -> None:
     m = client.messages.create(**greedy(max_tokens=40, output_config=fmt))
     assert m.stop_reason == "end_turn"
     jsonschema.validate(json.loads(m.content[0].text), DIGIT_SCHEMA)  # type: ignore[union-attr]
+
+
+def test_metrics_label_the_endpoint(client: anthropic.Anthropic, http: httpx.Client) -> None:
+    client.messages.create(**greedy(max_tokens=2))
+    text = http.get("/metrics").text
+    assert metric_value(text, "specserve:api_requests_total", endpoint="messages") >= 1
 
 
 def test_count_tokens(client: anthropic.Anthropic) -> None:

@@ -16,7 +16,7 @@ import openai
 import pytest
 from api_specs import sse_events, validate
 from pydantic import BaseModel, Field
-from server_utils import RealServer, assert_error_shape, real_server, wait_for
+from server_utils import RealServer, assert_error_shape, metric_value, real_server, wait_for
 from test_tools import QWEN_TEMPLATE
 from tiny import make_tiny_model
 from transformers import AutoTokenizer
@@ -250,6 +250,16 @@ def test_bad_requests_are_400(http: httpx.Client, body: dict[str, Any], needle: 
     r = http.post("/v1/responses", json={"model": "tiny"} | body)
     assert r.status_code == 400, r.text
     assert needle in assert_error_shape(r.json(), 400)["message"]
+
+
+def test_metrics_label_the_endpoint(client: openai.OpenAI, http: httpx.Client) -> None:
+    def count() -> float:
+        text = http.get("/metrics").text
+        return metric_value(text, "specserve:api_requests_total", endpoint="responses")
+
+    before = count()
+    client.responses.create(input="Hi", **greedy(max_output_tokens=2))
+    assert count() == before + 1
 
 
 def test_speculative_equals_plain(client: openai.OpenAI) -> None:

@@ -172,6 +172,7 @@ def test_bearer_works_and_a_bad_key_is_401(server: RealServer) -> None:
         ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "block type"),
         ({"max_tokens": 4, "messages": ASK, "tool_choice": {"type": "tool", "name": "x"}}, 400, "tool_choice"),
         ({"max_tokens": 4, "messages": ASK, "temperature": 1.5}, 400, "temperature"),
+        ({"max_tokens": 4, "messages": ASK, "output_config": {"format": {"type": "json_schema", "schema": {"type": "string", "pattern": "("}}}}, 400, "regex"),
         ({"max_tokens": 4, "messages": ASK, "model": "claude-nope"}, 404, "claude-nope"),
     ],
 )  # fmt: skip

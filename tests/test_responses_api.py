@@ -34,6 +34,7 @@ WEATHER = {
     "strict": True,
 }
 ASK = "What is the weather in Paris?"
+BAD: dict[str, Any] = {"type": "string", "pattern": "("}  # llguidance refuses the regex
 KEY = "test-key"
 
 
@@ -242,6 +243,14 @@ def test_background_and_cancel(client: openai.OpenAI, server: RealServer) -> Non
         ({"input": "x", "tool_choice": "required"}, "tools"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "schema"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": BAD}}},
+            "regex",
+        ),
+        (
+            {"input": "x", "tools": [WEATHER | {"parameters": BAD}], "tool_choice": "required"},
+            "regex",
+        ),
         ({"input": "x", "previous_response_id": "resp_nope"}, "not found"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
     ],

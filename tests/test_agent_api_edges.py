@@ -1,6 +1,7 @@
-"""The Responses API's store: kept across a restart, bounded by retention and size, per API key;
-and a fuzz of malformed bodies for /v1/responses and /v1/messages that must never get a 5xx
-(a fake engine keeps it fast: validation is the server's, not the engine's)."""
+"""The edges of /v1/responses and /v1/messages: the response store (kept across a restart,
+bounded by retention and size, per API key), an engine that dies mid-stream, and a fuzz of
+malformed bodies that must never get a 5xx. A fake engine keeps it fast: what is tested here is
+the server's, not the engine's."""
 
 from __future__ import annotations
 
@@ -70,10 +71,11 @@ def test_owner_is_a_hash_of_the_key() -> None:
 # ---------------------------------------------------------------------------- on a server
 
 
-def serve(model_dir: Path, **kw: Any) -> LiveServer:
+def serve(model_dir: Path, die_after_steps: int | None = None, **kw: Any) -> LiveServer:
     from transformers import AutoTokenizer
 
-    engine = FakeEngine(AutoTokenizer.from_pretrained(str(model_dir)), step_s=0.0)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    engine = FakeEngine(tokenizer, step_s=0.0, die_after_steps=die_after_steps)
     base: dict[str, Any] = dict(model=str(model_dir), served_model_name="tiny", kv_cache_gib=0.02)
     return LiveServer(create_app(engine, Settings(**(base | kw))))  # type: ignore[arg-type]
 
@@ -94,6 +96,32 @@ def test_restart_keeps_responses_per_key(tiny_model_dir: Path, tmp_path: Path) -
     with serve(tiny_model_dir, response_store_path=path, api_key="b") as live:
         other = httpx.get(f"{live.url}/v1/responses/{rid}", headers={"x-api-key": "b"})
         assert other.status_code == 404, "a response is visible only to the key that made it"
+
+
+def test_engine_death_mid_stream_ends_each_stream_in_its_api(tiny_model_dir: Path) -> None:
+    with serve(tiny_model_dir, die_after_steps=2, response_store="memory") as live:
+        body = {"model": "tiny", "input": "Hello", "max_output_tokens": 40, "stream": True}
+        with httpx.stream("POST", live.url + "/v1/responses", json=body) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        last = events[-1]
+        assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+        assert "engine" in last["response"]["error"]["message"]
+        stored = httpx.get(f"{live.url}/v1/responses/{last['response']['id']}").json()
+        assert stored["status"] == "failed"
+    with serve(tiny_model_dir, die_after_steps=2) as live:
+        body = {
+            "model": "tiny",
+            "max_tokens": 40,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        with httpx.stream("POST", live.url + "/v1/messages", json=body) as r:
+            lines = list(r.iter_lines())
+        names = [line[7:] for line in lines if line.startswith("event: ")]
+        assert names[:2] == ["message_start", "ping"] and names[-1] == "error"
+        error = json.loads([line for line in lines if line.startswith("data: ")][-1][6:])
+        assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
 
 
 # ---------------------------------------------------------------------------- fuzz

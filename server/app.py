@@ -8,6 +8,7 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -123,7 +124,7 @@ def create_app(
     app.state.server = state
     _add_error_handlers(app)
     app.include_router(_api_routes(state))
-    sse = lambda s, stream: _sse(s, stream, settings)  # noqa: E731
+    sse = partial(_sse, settings=settings)
     app.include_router(responses_routes(_ready(lambda e: e.responses), sse, bool(settings.api_key)))
     app.include_router(messages_routes(_ready(lambda e: e.messages), sse))
     app.include_router(_open_routes(state))

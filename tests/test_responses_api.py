@@ -6,6 +6,7 @@ cancel, speculative = plain, errors; bodies and events checked against OpenAI's 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,6 +232,23 @@ def test_background_and_cancel(client: openai.OpenAI, server: RealServer) -> Non
     assert client.responses.retrieve(done.id).status in ("completed", "incomplete")
     with pytest.raises(openai.BadRequestError, match="not in progress"):
         client.responses.cancel(done.id)
+
+
+def test_cancel_a_stream(server: RealServer, http: httpx.Client) -> None:
+    body = greedy(input="Count", max_output_tokens=300, ignore_eos=True, stream=True)
+    server.throttle.delay_s = 0.05
+    try:
+        with http.stream("POST", "/v1/responses", json=body) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            rid = json.loads(first[6:])["response"]["id"]
+            assert http.post(f"/v1/responses/{rid}/cancel").json()["status"] == "cancelled"
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    finally:
+        server.throttle.delay_s = 0.0
+    assert rest[-1]["type"] == "response.failed"
+    assert rest[-1]["response"]["status"] == "cancelled"
+    assert http.get(f"/v1/responses/{rid}").json()["status"] == "cancelled"
 
 
 @pytest.mark.parametrize(

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -30,10 +29,14 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.protocol_out import ModelCard, ModelList, ModelWeights
-from server.request_body import parse_json
+from server.request_body import json_body, validation_error
+from server.routes_messages import messages_routes
+from server.routes_responses import responses_routes
 from server.serving import ClientDisconnected, OpenAIServing, Stream, as_api_error
 from server.serving_chat import OpenAIServingChat
 from server.serving_completion import OpenAIServingCompletion
+from server.serving_messages import AnthropicServingMessages
+from server.serving_responses import OpenAIServingResponses
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -43,8 +46,7 @@ logger = logging.getLogger("specserve.server")
 OPEN_PATHS = ("/health", "/live", "/metrics")
 # Liveness: the process can serve or is draining; a dead engine or failed load wants a restart.
 LIVE_STATUSES = ("loading", "ready", "shutting_down")
-M = TypeVar("M", bound=BaseModel)
-_UNION_TAG = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class Endpoints:
     common: OpenAIServing
     completions: OpenAIServingCompletion
     chat: OpenAIServingChat
+    responses: OpenAIServingResponses
+    messages: AnthropicServingMessages
 
     @classmethod
     def build(cls, engine: AsyncLLM, settings: Settings, metrics: Metrics) -> Endpoints:
@@ -61,6 +65,8 @@ class Endpoints:
             OpenAIServing(engine, settings, metrics),
             OpenAIServingCompletion(engine, settings, metrics),
             OpenAIServingChat(engine, settings, metrics),
+            OpenAIServingResponses(engine, settings, metrics),
+            AnthropicServingMessages(engine, settings, metrics),
         )
 
 
@@ -118,6 +124,9 @@ def create_app(
     app.state.server = state
     _add_error_handlers(app)
     app.include_router(_api_routes(state))
+    sse = partial(_sse, settings=settings)
+    app.include_router(responses_routes(_ready(lambda e: e.responses), sse, bool(settings.api_key)))
+    app.include_router(messages_routes(_ready(lambda e: e.messages), sse))
     app.include_router(_open_routes(state))
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
@@ -167,17 +176,13 @@ def ready_serving(request: Request) -> Endpoints:
 Serving = Annotated[Endpoints, Depends(ready_serving)]
 
 
-def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
-    """Parse the body as JSON whatever the Content-Type says (`curl -d` sends a form type)."""
+def _ready(pick: Callable[[Endpoints], T]) -> Callable[[Request], T]:
+    """A dependency giving one endpoint's serving object once the server is ready."""
 
-    async def parse(request: Request) -> M:
-        data = parse_json(await request.body())
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc.errors()) from None
+    def serving(request: Request) -> T:
+        return pick(ready_serving(request))
 
-    return parse
+    return serving
 
 
 CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
@@ -314,68 +319,47 @@ def _version() -> str:
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> Response:
-        return exc.response()
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> Response:
-        return validation_error(exc.errors()).response()
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        return validation_error(exc.errors()).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail)).response()
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
 
     @app.exception_handler(ClientDisconnected)
     async def disconnected(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def anything(_: Request, exc: Exception) -> Response:
-        return as_api_error(exc).response()
-
-
-def validation_error(errors: Any) -> APIError:
-    """The first pydantic error as a 400, with `param` the field's dotted path."""
-    err: dict[str, Any] = next(iter(errors), {"loc": (), "msg": "invalid request", "type": ""})
-    param = _param_of(err.get("loc", ()))
-    if err.get("type") == "json_invalid":
-        detail = (err.get("ctx") or {}).get("error", "")
-        return bad_request(f"malformed JSON body: {detail}".strip())
-    if param is None and err.get("type") in ("missing", "model_type", "model_attributes_type"):
-        return bad_request("the request body must be a JSON object")
-    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-    return bad_request(f"{param}: {msg}" if param else msg, param, "invalid_value")
-
-
-def _param_of(loc: Any) -> str | None:
-    """`('body', 'prompt', 'list[int]', 1)` -> `prompt`: union-member tags and after are noise."""
-    parts: list[str] = []
-    for part in loc:
-        if part == "body":
-            continue
-        if isinstance(part, str) and _UNION_TAG.fullmatch(part):
-            break
-        parts.append(str(part))
-    return ".".join(parts) or None
+    async def anything(request: Request, exc: Exception) -> Response:
+        return as_api_error(exc).response(request.url.path)
 
 
 class BearerAuth:
-    """401 unless `Authorization: Bearer <api_key>`; /health, /live and /metrics stay open."""
+    """401 unless `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (Anthropic's
+    clients); /health, /live and /metrics stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if secrets.compare_digest(given, self.expected):
+        headers = dict(scope["headers"])
+        bearer_ok = secrets.compare_digest(headers.get(b"authorization", b""), self.bearer)
+        key_ok = secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)
+        if bearer_ok or key_ok:
             await self.app(scope, receive, send)
             return
         error = APIError(401, "invalid or missing API key", code="invalid_api_key")
-        await error.response()(scope, receive, send)
+        await error.response(scope["path"])(scope, receive, send)
 
 
 def _model_weights(engine: AsyncLLM | None) -> list[ModelWeights]:

@@ -1,6 +1,10 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure."""
+"""Errors for every failure: OpenAI's shape `{"error": {"message", "type", "param", "code"}}`,
+or Anthropic's `{"type": "error", "error": {"type", "message"}}` on the Messages API's paths."""
 
 from __future__ import annotations
+
+import uuid
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -17,6 +21,18 @@ _TYPES = {
     503: "service_unavailable",
 }
 
+# Anthropic's error types by status (its Messages API answers in these).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages",)
 
 # Seconds a client (or router) should wait before retrying here: the queue drains in about a
 # step; a loading or draining server takes longer, and a router retries elsewhere meanwhile.
@@ -41,11 +57,21 @@ class APIError(Exception):
             error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
         )
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
+        error = {"type": kind, "message": self.message}
+        return {"type": "error", "error": error, "request_id": f"req_{uuid.uuid4().hex}"}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """OpenAI's shape, or Anthropic's for the Messages API's paths."""
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
         if self.status in RETRY_AFTER:
             headers["Retry-After"] = RETRY_AFTER[self.status]
-        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
+        if path.startswith(ANTHROPIC_PATHS):
+            body = self.anthropic_body()
+        else:
+            body = self.body().model_dump()
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -71,10 +71,14 @@ _BY_PROPOSER = {
 _K_CHOSEN = "spec_decode_k_per_request"
 _K_BUCKETS = tuple(float(k) for k in range(0, 17))
 _SUCCESS = "request_success"
+_BY_ENDPOINT = "api_requests"
 _CACHE_CONFIG = "cache_config_info"
 
 METRIC_NAMES: tuple[str, ...] = (
-    *(f"{PREFIX}{name}_total" for name in (*_COUNTERS, _PER_POS, _SUCCESS, *_BY_PROPOSER)),
+    *(
+        f"{PREFIX}{name}_total"
+        for name in (*_COUNTERS, _PER_POS, _SUCCESS, *_BY_PROPOSER, _BY_ENDPOINT)
+    ),
     *(f"{PREFIX}{name}" for name in (*_HISTOGRAMS, *_GAUGES, _K_CHOSEN, _CACHE_CONFIG)),
 )
 
@@ -122,6 +126,10 @@ class Metrics:
         )  # fmt: skip
         for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name, reason)
+        self._by_endpoint = Counter(
+            PREFIX + _BY_ENDPOINT, "Requests admitted, by API endpoint.",
+            ["model_name", "endpoint"], registry=reg,
+        )  # fmt: skip
         self._by_proposer = {
             n: Counter(PREFIX + n, doc, ["model_name", "proposer"], registry=reg)
             for n, doc in _BY_PROPOSER.items()
@@ -191,6 +199,10 @@ class Metrics:
         self.observe_interval("request_queue_time_seconds", t.arrival, t.first_scheduled)
         self.observe_interval("request_prefill_time_seconds", t.first_scheduled, t.prefill_done)
         self.observe_interval("request_decode_time_seconds", t.first_token, end)
+
+    def count_request(self, endpoint: str) -> None:
+        """A request admitted (validated, its engine requests about to start) at `endpoint`."""
+        self._by_endpoint.labels(self.model_name, endpoint).inc()
 
     def count_aborted(self) -> None:
         """A request the client left: the engine's final output went to no one."""

@@ -53,7 +53,7 @@ class Job:
 class Stream:
     """An SSE body and the engine requests behind it (to abort when the client leaves)."""
 
-    events: AsyncIterator[str]
+    events: AsyncIterator[str | dict[str, str]]  # data lines, or typed events (`event:` + data)
     request_ids: list[str]
 
 
@@ -122,6 +122,8 @@ def usage_of(choices: list[Choice]) -> UsageInfo:
 
 class OpenAIServing:
     """What every endpoint does with a request: check it, turn it into jobs, run them."""
+
+    endpoint = "other"  # the `endpoint` label of specserve:api_requests_total
 
     def __init__(self, engine: AsyncLLM, settings: Settings, metrics: Metrics) -> None:
         self.engine = engine
@@ -230,6 +232,7 @@ class OpenAIServing:
         """Merge the jobs' output streams; on any exit, abort the unfinished ones."""
         queue: asyncio.Queue[tuple[Job, RequestOutput | BaseException | None]] = asyncio.Queue()
         unfinished = {job.request_id for job in jobs}
+        self.metrics.count_request(self.endpoint)
 
         async def pump(job: Job) -> None:
             tracker = self.metrics.track()

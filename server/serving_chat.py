@@ -37,6 +37,8 @@ from server.tool_parser import ParsedDelta, ToolCallParser, parse_message
 
 
 class OpenAIServingChat(OpenAIServing):
+    endpoint = "chat_completions"
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> ChatCompletionResponse:
         response_id = random_id("chatcmpl")
         jobs = await self.chat_jobs(req, response_id)
@@ -160,14 +162,7 @@ class OpenAIServingChat(OpenAIServing):
 def _tool_delta(
     c: Choice, out: RequestOutput, tool_names: frozenset[str]
 ) -> tuple[DeltaMessage, bool]:
-    """This output's text through the choice's tool-call parser (one per choice)."""
-    if c.state is None:
-        c.state = ToolCallParser(tool_names=tool_names)
-    parser: ToolCallParser = c.state
-    parsed = parser.feed(out.new_text)
-    if out.finished:
-        rest = parser.finish()
-        parsed = ParsedDelta(parsed.content + rest.content, parsed.calls + rest.calls)
+    parsed = parsed_delta(c, out, tool_names)
     calls = [
         DeltaToolCall(
             index=call.index,
@@ -178,7 +173,20 @@ def _tool_delta(
         for call in parsed.calls
     ]
     delta = DeltaMessage(content=parsed.content or None, tool_calls=calls or None)
-    return delta, parser.has_calls
+    return delta, c.state.has_calls
+
+
+def parsed_delta(c: Choice, out: RequestOutput, tool_names: frozenset[str]) -> ParsedDelta:
+    """This output's text through the choice's tool-call parser (one per choice, kept in
+    `c.state`); every endpoint that parses tool calls streams through here."""
+    if c.state is None:
+        c.state = ToolCallParser(tool_names=tool_names)
+    parser: ToolCallParser = c.state
+    parsed = parser.feed(out.new_text)
+    if out.finished:
+        rest = parser.finish()
+        parsed = ParsedDelta(parsed.content + rest.content, parsed.calls + rest.calls)
+    return parsed
 
 
 def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
@@ -193,3 +201,19 @@ def _usage_chunk(last: Any, choices: list[Choice]) -> ChatCompletionChunk:
         "prompt_token_ids": None,
     }
     return last.model_copy(update=update)  # type: ignore[no-any-return]
+
+
+def output_delta(c: Choice, out: RequestOutput, req: ChatCompletionRequest) -> ParsedDelta:
+    """A streamed output as content and tool-call fragments (content only without tools)."""
+    if req.uses_tools:
+        return parsed_delta(c, out, req.tool_names)
+    return ParsedDelta(content=out.new_text)
+
+
+def whole_output(text: str, req: ChatCompletionRequest) -> ParsedDelta:
+    """A finished output the same way, in one piece: what the stream's fragments add up to."""
+    if not req.uses_tools:
+        return ParsedDelta(content=text)
+    parser = ToolCallParser(tool_names=req.tool_names)
+    first, rest = parser.feed(text), parser.finish()
+    return ParsedDelta(first.content + rest.content, first.calls + rest.calls)

@@ -22,6 +22,8 @@ from server.serving import (
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    endpoint = "completions"
+
     async def create(self, req: CompletionRequest, raw: Request) -> CompletionResponse:
         response_id = random_id("cmpl")
         jobs = await self.completion_jobs(req, response_id)

@@ -115,6 +115,24 @@ class Settings(BaseSettings):
         default="vllm",
         description="also export the vllm: metric names routers read (none: only specserve:)",
     )
+    response_store: Literal["sqlite", "memory"] = Field(
+        default="sqlite",
+        description="where /v1/responses keeps stored responses: sqlite (a file, kept across "
+        "restarts) or memory",
+    )
+    response_store_path: str | None = Field(
+        default=None,
+        description="the response store's SQLite file (default: responses.sqlite3 in "
+        "specserve's user data folder)",
+    )
+    response_store_max: int = Field(
+        default=10000, ge=1, description="most stored responses; the oldest go first"
+    )
+    response_store_retention_s: float = Field(
+        default=30 * 86400.0,
+        ge=0,
+        description="seconds a stored response is kept (0: until the size limit evicts it)",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="logging"
     )
@@ -157,6 +175,17 @@ class Settings(BaseSettings):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def response_store_file(self) -> str:
+        """The SQLite database of the response store (":memory:" for the memory-only store)."""
+        if self.response_store == "memory":
+            return ":memory:"
+        if self.response_store_path:
+            return self.response_store_path
+        import platformdirs
+
+        return str(Path(platformdirs.user_data_dir("specserve")) / "responses.sqlite3")
 
     def engine_config(self) -> EngineConfig:
         spec = SpeculativeConfig(

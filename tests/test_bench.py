@@ -250,9 +250,12 @@ def fake_server() -> Iterator[tuple[str, FakeServer]]:
 
 
 def _bench(argv: list[str]) -> int:
+    """`specserve bench argv`, its raw logs beside --out (not in the user's cache)."""
     parser = argparse.ArgumentParser()
     bench_cli.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *argv])
+    if args.raw_logs is None:
+        args.raw_logs = args.out.parent / "raw-logs"
     return int(args.func(args) or 0)
 
 
@@ -305,7 +308,8 @@ def _check_outputs(out: Path, categories: set[str], loads: set[int]) -> list[dic
         assert data.startswith(PNG_MAGIC) and len(data) > 2000
     meta = json.loads((out / "meta.json").read_text())
     assert meta["command"].startswith("specserve bench ") and meta["model"]
-    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert not (out / "requests.jsonl").exists()  # raw logs stay out of the results folder
+    lines = (Path(meta["raw_logs"]) / "requests.jsonl").read_text().splitlines()
     assert sum(r["num_requests"] for r in rows) == len(lines)
     return rows
 
@@ -414,7 +418,7 @@ def test_launch_starts_waits_and_stops(
     assert _bench(argv) == 0
     assert len(started) == 1 and started[0].poll() is not None  # stopped afterwards
     assert "server ready" in capsys.readouterr().err
-    assert (out / "server.log").exists()
+    assert (tmp_path / "raw-logs" / "server.log").exists()
     assert len(json.loads((out / "results.json").read_text())) == 2
 
 
@@ -491,7 +495,8 @@ def test_bench_against_tiny_model_server(
         assert row["ratio_vs_server_plain"] > 0
         server_ids = next(r["prompt_ids"] for r in server_rows if r["category"] == row["category"])
         assert len(row["prompt_ids"]) == 1 and row["prompt_ids"][0] in server_ids
-    requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    raw = tmp_path / "raw-logs" / "requests.jsonl"
+    requests = [json.loads(line) for line in raw.read_text().splitlines()]
     for row in peers:  # against specserve's plain decoding of the very same prompts, at c=1
         plain = [
             r

@@ -53,13 +53,23 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--repeats", type=int, default=1, help="repeat the sweep; figures are medians")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and arrival schedule")
-    p.add_argument("--peers", default="", help="comma list of hf,hf-assisted,hf-prompt-lookup")
-    p.add_argument("--peer-model", help="target model for the peers (default: the launch config's)")
+    p.add_argument(
+        "--peers",
+        "--peer",
+        default="",
+        help="comma list of llamacpp (llama.cpp on the same GGUF, in the same rounds at c=1: "
+        "docs/PEERS.md), hf, hf-assisted, hf-prompt-lookup",
+    )
+    p.add_argument(
+        "--peer-model",
+        help="target model for the peers, a .gguf file for llamacpp (default: the config's)",
+    )
     p.add_argument("--peer-draft-model", help="draft for hf-assisted (default: the config's)")
     p.add_argument(
         "--peer-threads",
         type=int,
-        help="torch threads for the peers (default: the config's, else all cores)",
+        help="threads for the peers (default: the config's num_threads, else llamacpp takes the "
+        "physical cores and hf all cores)",
     )
     p.add_argument(
         "--peer-k",
@@ -87,6 +97,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--launch-timeout", type=float, default=1800.0)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
+    p.add_argument(
+        "--raw-logs",
+        type=Path,
+        metavar="DIR",
+        help="requests.jsonl and the servers' logs (default: a new folder in "
+        "~/.cache/specserve/bench-logs/)",
+    )
     p.set_defaults(func=run)  # fmt: skip
 
 

@@ -50,7 +50,7 @@ def target(args: argparse.Namespace) -> Iterator[str]:
     from bench.serving.launcher import launched_server
 
     with launched_server(
-        args.launch, serve_extra(args), args.out / "server.log", args.launch_timeout
+        args.launch, serve_extra(args), args.raw_logs / "server.log", args.launch_timeout
     ) as url:
         yield url
 

@@ -121,7 +121,9 @@ def test_three_modes_take_turns_at_c1_only() -> None:
 
 def test_build_info_reads_the_system_info_line(tmp_path: Path) -> None:
     log = tmp_path / "llamacpp.log"
-    log.write_text("loading\nCPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 0 | REPACK = 1 | \n")
+    log.write_text(
+        "loading\nCPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 0 | REPACK = 1 | \n"
+    )
     assert llamacpp.build_info(log) == "SSE3 AVX2 AVX512 REPACK"
     assert llamacpp.build_info(tmp_path / "absent") is None
 

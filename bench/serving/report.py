@@ -10,8 +10,8 @@ Row = dict[str, Any]
 
 PLOTS = ("speedup.png", "acceptance_per_position.png", "latency.png")
 _MODE_COLORS = {"spec": "tab:orange", "plain": "tab:blue"}
-
-
+PEER_LABELS = {"llamacpp": "llama.cpp"}
+MACHINE_KEYS = ("cpu", "cores", "cpu_flags", "llamacpp_build")  # meta keys of the Machine block
 _PEER_NOTE = (
     "Decode tokens/s per request, the first token excluded, median over repeats; in brackets the "
     "ratio to llama.cpp within each repeat. Its server keeps only the last prompt's K/V, so its "
@@ -104,10 +104,6 @@ def peer_table(peers: list[Row]) -> list[str]:
         for r in peers
     ]  # fmt: skip
     return _table(header, body)
-
-
-PEER_LABELS = {"llamacpp": "llama.cpp"}
-MACHINE_KEYS = ("cpu", "cores", "cpu_flags", "llamacpp_build")
 
 
 def peer_comparison_table(rows: list[Row], peer: str) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 Row = dict[str, Any]
 
 PLOTS = ("speedup.png", "acceptance_per_position.png", "latency.png")
-_MODE_COLORS = {"spec": "tab:orange", "plain": "tab:blue"}
+_MODE_COLORS = {"spec": "tab:orange", "plain": "tab:blue", "llamacpp": "tab:green"}
 PEER_LABELS = {"llamacpp": "llama.cpp"}
 MACHINE_KEYS = ("cpu", "cores", "cpu_flags", "llamacpp_build")  # meta keys of the Machine block
 _PEER_NOTE = (

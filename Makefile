@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 KERNELS := $(VENV)/.kernels
 CONFIG ?= configs/default.yaml
 
-.PHONY: install serve test fetch-models lint bench clean
+.PHONY: install serve test fetch-models lint bench llamacpp compare-llamacpp clean
 
 install: $(STAMP) $(KERNELS)
 
@@ -34,6 +34,20 @@ lint: install
 
 bench: install fetch-models
 	$(BIN)/specserve bench --launch $(CONFIG) --out bench-out
+
+# llama.cpp (llama-cpp-python, the `llamacpp` extra) built from source for this CPU's flags, never
+# -march=native nor a wheel cached from another build (docs/PEERS.md).
+llamacpp: $(VENV)/.llamacpp
+
+$(VENV)/.llamacpp: $(STAMP)
+	CMAKE_ARGS="$$($(BIN)/python -m bench.serving.machine --cmake-args)" \
+	  $(BIN)/pip install --no-cache-dir --no-binary llama-cpp-python -c requirements.lock -e '.[llamacpp]'
+	@touch $@
+
+# Our speed claims against llama.cpp on the same GGUF file, same threads, same prompts, one run.
+compare-llamacpp: install fetch-models llamacpp
+	$(BIN)/specserve bench --launch $(CONFIG) --peer llamacpp --categories code,chat \
+	  --concurrency 1 --num-prompts 4 --max-tokens 96 --ignore-eos --repeats 2 --out bench-out/llamacpp
 
 clean:
 	rm -rf $(VENV) bench-out

@@ -53,13 +53,23 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--repeats", type=int, default=1, help="repeat the sweep; figures are medians")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and arrival schedule")
-    p.add_argument("--peers", default="", help="comma list of hf,hf-assisted,hf-prompt-lookup")
-    p.add_argument("--peer-model", help="target model for the peers (default: the launch config's)")
+    p.add_argument(
+        "--peers",
+        "--peer",
+        default="",
+        help="comma list of llamacpp (llama.cpp on the same GGUF, in the same rounds at c=1: "
+        "docs/PEERS.md), hf, hf-assisted, hf-prompt-lookup",
+    )
+    p.add_argument(
+        "--peer-model",
+        help="target model for the peers, a .gguf file for llamacpp (default: the config's)",
+    )
     p.add_argument("--peer-draft-model", help="draft for hf-assisted (default: the config's)")
     p.add_argument(
         "--peer-threads",
         type=int,
-        help="torch threads for the peers (default: the config's, else all cores)",
+        help="threads for the peers (default: the config's num_threads, else llamacpp takes the "
+        "physical cores and hf all cores)",
     )
     p.add_argument(
         "--peer-k",

@@ -27,7 +27,7 @@ class RequestSettings:
 @dataclass
 class RequestResult:
     prompt_id: str
-    mode: str  # "spec" | "plain"
+    mode: str  # "spec" | "plain" | a peer's name ("llamacpp")
     ok: bool = False
     error: str | None = None
     start: float = 0.0  # monotonic send time
@@ -38,6 +38,7 @@ class RequestResult:
     output_tokens: int = 0
     num_chunks: int = 0
     spec_summary: dict[str, Any] | None = None
+    finish_reason: str | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -75,13 +76,23 @@ def endpoint(prompt: Prompt) -> str:
 async def send_request(
     client: httpx.AsyncClient, prompt: Prompt, settings: RequestSettings, spec: bool
 ) -> RequestResult:
-    result = RequestResult(prompt.prompt_id, "spec" if spec else "plain")
     body = request_body(prompt, settings, spec)
+    mode = "spec" if spec else "plain"
+    result = RequestResult(prompt.prompt_id, mode)
+    return await send_body(client, endpoint(prompt), body, result, settings.timeout_s)
+
+
+async def send_body(
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    result: RequestResult,
+    timeout_s: float,
+) -> RequestResult:
+    """POSTs a streaming `body` to `path` and fills `result` with what came back, and when."""
     result.start = time.perf_counter()
     try:
-        async with client.stream(
-            "POST", endpoint(prompt), json=body, timeout=settings.timeout_s
-        ) as resp:
+        async with client.stream("POST", path, json=body, timeout=timeout_s) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {text[:300]}"
@@ -106,6 +117,7 @@ async def _read_stream(resp: httpx.Response, result: RequestResult) -> None:
             result.error = str(chunk["error"].get("message", chunk["error"]))
             return
         _take_summary(chunk, result)
+        result.finish_reason = _finish_reason(chunk) or result.finish_reason
         n = _tokens_in(chunk)
         if n == 0:
             continue
@@ -135,6 +147,11 @@ def _tokens_in(chunk: dict[str, Any]) -> int:
         text = delta.get("content") if "delta" in choice else choice.get("text")
         total += 1 if text else 0
     return total
+
+
+def _finish_reason(chunk: dict[str, Any]) -> str | None:
+    reasons = [c.get("finish_reason") for c in chunk.get("choices") or []]
+    return next((r for r in reasons if r), None)
 
 
 def _take_summary(chunk: dict[str, Any], result: RequestResult) -> None:

@@ -1,4 +1,5 @@
-"""`--launch`: start `specserve serve` on a free port, wait for /health, stop it afterwards."""
+"""`--launch`: start `specserve serve` (or a peer's server) on a free port, wait until it answers,
+stop it afterwards."""
 
 from __future__ import annotations
 
@@ -33,14 +34,22 @@ def launched_server(
 ) -> Iterator[str]:
     """Yields the URL of a server started from `config`; stops it on exit, kills it on error."""
     port = free_port()
-    cmd = serve_command(config, port, extra_args)
+    with launched(serve_command(config, port, extra_args), port, log_path, timeout_s) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def launched(
+    cmd: list[str], port: int, log_path: Path, timeout_s: float, health_path: str = "/health"
+) -> Iterator[str]:
+    """Yields the URL of the server `cmd` starts on `port`, once `health_path` answers 200."""
     print(f"bench: launching {' '.join(cmd)}  (log: {log_path})", file=sys.stderr)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         base_url = f"http://127.0.0.1:{port}"
         try:
-            wait_healthy(base_url, proc, log_path, timeout_s)
+            wait_healthy(base_url + health_path, proc, log_path, timeout_s)
             yield base_url
         except BaseException:
             proc.kill()
@@ -49,15 +58,15 @@ def launched_server(
         stop(proc)
 
 
-def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
     start = time.monotonic()
     last_note = 0.0
     while True:
         waited = time.monotonic() - start
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} while starting:\n{tail(log)}")
-        if _healthy(base_url):
-            print(f"bench: server ready after {waited:.0f}s at {base_url}", file=sys.stderr)
+        if _healthy(url):
+            print(f"bench: server ready after {waited:.0f}s at {url}", file=sys.stderr)
             return
         if waited > timeout_s:
             raise TimeoutError(f"server not healthy after {timeout_s:.0f}s:\n{tail(log)}")
@@ -69,9 +78,9 @@ def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path, timeou
         time.sleep(0.5)
 
 
-def _healthy(base_url: str) -> bool:
+def _healthy(url: str) -> bool:
     try:
-        return httpx.get(base_url + "/health", timeout=5).status_code == 200
+        return httpx.get(url, timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import shlex
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,9 +20,10 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from bench.serving import stats
+from bench.serving import llamacpp, stats
 from bench.serving.client import RequestSettings
 from bench.serving.datasets import Prompt, load_category
+from bench.serving.machine import cpu_info
 from bench.serving.options import chosen_categories, csv_list, log, parse_datasets, target
 from bench.serving.peers import PEER_MODES, PeerJob, run_peers_subprocess
 from bench.serving.report import write_plots, write_report
@@ -50,15 +54,19 @@ def load_prompts(args: argparse.Namespace) -> dict[str, list[Prompt]]:
 
 def main(args: argparse.Namespace) -> int:
     peers = csv_list(args.peers)
-    unknown = [p for p in peers if p not in PEER_MODES]
+    unknown = [p for p in peers if p not in (*PEER_MODES, llamacpp.NAME)]
     if unknown:
-        raise SystemExit(f"unknown peers {unknown}; known: {', '.join(PEER_MODES)}")
+        raise SystemExit(f"unknown peers {unknown}; known: {', '.join(PEER_MODES)}, llamacpp")
+    with_llamacpp = llamacpp.NAME in peers
+    peers = [p for p in peers if p != llamacpp.NAME]
     args.out.mkdir(parents=True, exist_ok=True)
     args.raw_logs = raw_logs_dir(args)
     prompts = load_prompts(args)
     loads = loads_of(args)
-    with target(args) as base_url:
-        model, measurements = asyncio.run(sweep(args, base_url, prompts, loads))
+    if with_llamacpp:
+        check_llamacpp_run(prompts, loads)
+    with target(args) as base_url, llamacpp_server(args, with_llamacpp) as peer_url:
+        model, measurements = asyncio.run(sweep(args, base_url, prompts, loads, peer_url))
     rows = [row for m in measurements for row in stats.measurement_rows(m)]
     server_rows = stats.median_rows(rows)
     for row in server_rows:
@@ -88,20 +96,58 @@ def raw_logs_dir(args: argparse.Namespace) -> Path:
     return cache_dir() / "bench-logs" / f"{Path(args.out).resolve().name}-{stamp}"
 
 
+def check_llamacpp_run(prompts: dict[str, list[Prompt]], loads: list[Load]) -> None:
+    if not any(load.concurrency == 1 for load in loads):
+        raise SystemExit("the llama.cpp peer runs at concurrency 1: include 1 in --concurrency")
+    schema = [c for c, ps in prompts.items() if any(p.response_format for p in ps)]
+    if schema:
+        raise SystemExit(f"the llama.cpp peer does not take JSON schemas: drop {schema}")
+
+
+@contextlib.contextmanager
+def llamacpp_server(args: argparse.Namespace, wanted: bool) -> Iterator[str | None]:
+    """llama.cpp on the config's GGUF file, beside the server under test, for the whole sweep."""
+    if not wanted:
+        yield None
+        return
+    if not llamacpp.installed():
+        raise SystemExit(llamacpp.INSTALL_HINT)
+    cfg = config_settings(args.launch)
+    spec = args.peer_model or serve_flag(args, "--model") or cfg.get("model")
+    if not spec:
+        raise SystemExit("the llama.cpp peer needs --peer-model FILE.gguf (or --launch CONFIG)")
+    threads = args.peer_threads or cfg.get("num_threads") or cpu_info().physical_cores
+    n_ctx = int(cfg.get("max_model_len") or 4096)
+    server = llamacpp.LlamaCppServer(llamacpp.gguf_file(str(spec)), int(threads), n_ctx)
+    log_path = args.raw_logs / "llamacpp.log"
+    with llamacpp.launched_llamacpp(server, sys.executable, log_path, args.launch_timeout) as url:
+        args.llamacpp = {"gguf": str(server.model_path), "threads": server.n_threads}
+        yield url
+
+
 async def sweep(
-    args: argparse.Namespace, base_url: str, prompts: dict[str, list[Prompt]], loads: list[Load]
+    args: argparse.Namespace,
+    base_url: str,
+    prompts: dict[str, list[Prompt]],
+    loads: list[Load],
+    peer_url: str | None = None,
 ) -> tuple[str, list[Measurement]]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=None) as client:
+    async with (
+        httpx.AsyncClient(base_url=base_url, limits=limits, timeout=None) as client,
+        httpx.AsyncClient(base_url=peer_url or base_url, timeout=None) as peer_client,
+    ):
         model = args.model or await first_model(client)
         settings = RequestSettings(
             model, args.max_tokens, args.temperature, args.ignore_eos, args.request_timeout
         )
+        peer = llamacpp.peer_target(peer_client) if peer_url else None
+        name = peer.name if peer else None
         total = args.repeats * sum(
-            requests_per_measurement(ps, load) for ps in prompts.values() for load in loads
+            requests_per_measurement(ps, load, name) for ps in prompts.values() for load in loads
         )
         with tqdm(total=total, desc="requests", unit="req") as bar:
-            runner = Runner(client, settings, args.max_concurrency, bar, args.control)
+            runner = Runner(client, settings, args.max_concurrency, bar, args.control, peer)
             if not args.no_warmup:
                 await runner.warmup(next(iter(prompts.values()))[0])
             measurements = []
@@ -201,7 +247,7 @@ def command_line(args: argparse.Namespace) -> str:
     """The flags this run was given, as one reproducible command."""
     words = ["specserve", "bench"]
     for key, value in vars(args).items():
-        if key in ("func", "command") or value in (None, False, "", []):
+        if key in ("func", "command", "llamacpp") or value in (None, False, "", []):
             continue
         flag = "--" + key.replace("_", "-")
         values = value if isinstance(value, list) else [value]
@@ -219,6 +265,14 @@ def server_meta(args: argparse.Namespace) -> dict[str, Any]:
     for flag in ("device", "dtype"):
         found[flag] = getattr(args, flag) or serve_flag(args, f"--{flag}") or found.get(flag)
     return found if args.launch else {}
+
+
+def llamacpp_meta(args: argparse.Namespace) -> dict[str, Any]:
+    info = getattr(args, "llamacpp", None)
+    if not info:
+        return {}
+    built = llamacpp.build_info(args.raw_logs / "llamacpp.log")
+    return {"llamacpp_" + k: v for k, v in info.items()} | {"llamacpp_build": built}
 
 
 def write_outputs(
@@ -240,7 +294,9 @@ def write_outputs(
         "num_prompts": args.num_prompts,
         **({"control": "A/A: both modes decode plainly"} if args.control else {}),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+        **cpu_info().summary(),
         **server_meta(args),
+        **llamacpp_meta(args),
         "raw_logs": str(args.raw_logs),
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=1))

@@ -9,7 +9,14 @@ from typing import Any
 Row = dict[str, Any]
 
 PLOTS = ("speedup.png", "acceptance_per_position.png", "latency.png")
-_MODE_COLORS = {"spec": "tab:orange", "plain": "tab:blue"}
+_MODE_COLORS = {"spec": "tab:orange", "plain": "tab:blue", "llamacpp": "tab:green"}
+PEER_LABELS = {"llamacpp": "llama.cpp"}
+MACHINE_KEYS = ("cpu", "cores", "cpu_flags", "llamacpp_build")  # meta keys of the Machine block
+_PEER_NOTE = (
+    "Decode tokens/s per request, the first token excluded, median over repeats; in brackets the "
+    "ratio to llama.cpp within each repeat. Its server keeps only the last prompt's K/V, so its "
+    "TTFT pays the prefill while specserve's prompts are primed."
+)
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -99,9 +106,48 @@ def peer_table(peers: list[Row]) -> list[str]:
     return _table(header, body)
 
 
+def peer_comparison_table(rows: list[Row], peer: str) -> list[str]:
+    """Per category at c=1: the peer's plain decoding beside specserve's two modes, each with its
+    ratio to the peer. Empty when the peer did not run."""
+    at_c1 = {(r["category"], r["mode"]): r for r in rows if r["load"] == "c=1"}
+    categories = [c for c in _order(rows)[0] if (c, peer) in at_c1]
+    if not categories:
+        return []
+    label = PEER_LABELS.get(peer, peer)
+    header = [
+        "category", f"{label} plain tok/s", "specserve plain tok/s", "specserve spec tok/s",
+        f"TTFT p50 ms ({label} / plain / spec)", f"E2E tok/s ({label} / plain / spec)",
+    ]  # fmt: skip
+    body = []
+    for c in categories:
+        p_row, plain, spec = (at_c1.get((c, m), {}) for m in (peer, "plain", "spec"))
+        body.append([
+            c, _fmt(p_row.get("decode_tokens_per_s")),
+            _vs_peer(plain, peer), _vs_peer(spec, peer),
+            " / ".join(_ms(r.get("ttft_p50_s")) for r in (p_row, plain, spec)),
+            " / ".join(_fmt(r.get("output_tokens_per_s")) for r in (p_row, plain, spec)),
+        ])  # fmt: skip
+    return _table(header, body)
+
+
+def _vs_peer(row: Row, peer: str) -> str:
+    ratio = row.get(f"ratio_vs_{peer}")
+    tps = _fmt(row.get("decode_tokens_per_s"))
+    return tps if ratio is None else f"{tps} ({ratio:.2f}x)"
+
+
+def machine_lines(meta: dict[str, Any]) -> list[str]:
+    return ["", "## Machine", ""] + [f"- {k}: `{meta[k]}`" for k in MACHINE_KEYS if meta.get(k)]
+
+
 def write_report(path: Path, rows: list[Row], peers: list[Row], meta: dict[str, Any]) -> None:
     lines = ["# specserve bench", ""]
-    lines += [f"- {k}: `{v}`" for k, v in meta.items()]
+    lines += [f"- {k}: `{v}`" for k, v in meta.items() if k not in MACHINE_KEYS]
+    lines += machine_lines(meta)
+    comparison = peer_comparison_table(rows, "llamacpp")
+    if comparison:
+        lines += ["", "## specserve vs llama.cpp (same GGUF file, concurrency 1)", ""]
+        lines += [_PEER_NOTE, ""] + comparison
     title = "Speedup (speculative tokens/s over plain tokens/s, same prompts)"
     if meta.get("control"):
         title = "A/A control (both modes decode plainly: the ratio is the host's noise)"

@@ -11,6 +11,10 @@ that, whichever mode happened to see a prompt first paid its whole prefill (seco
 the other got it free, which swamped the comparison with four prompts a cell. The draft model's
 K/V are not primed: a speculative request that wants the draft pays its catch-up, as on a shared
 prefix in service.
+
+A peer (llama.cpp on the same GGUF file, llamacpp.py) joins the rounds at concurrency 1 as a third
+mode: the three take turns on each prompt, the one that goes first rotating, so noise falls on all
+alike. The peer is not primed: its server keeps only the last prompt's K/V.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -83,8 +88,22 @@ def rounds_for(prompts: list[Prompt], load: Load, seed: int) -> list[Round]:
     return [Round(list(prompts), offsets)]
 
 
-def mode_order(round_index: int, repeat: int) -> tuple[str, str]:
-    return MODES if (round_index + repeat) % 2 == 0 else (MODES[1], MODES[0])
+@dataclass(frozen=True)
+class PeerTarget:
+    """Another server measured in the same rounds as the two modes, at concurrency 1 only."""
+
+    name: str
+    send: Callable[[Prompt, RequestSettings], Awaitable[RequestResult]]
+
+
+def modes_for(load: Load, peer: str | None = None) -> tuple[str, ...]:
+    return (*MODES, peer) if peer and load.concurrency == 1 else MODES
+
+
+def mode_order(round_index: int, repeat: int, modes: tuple[str, ...] = MODES) -> tuple[str, ...]:
+    """The modes rotated by one each round and each repeat: every mode goes first as often."""
+    shift = (round_index + repeat) % len(modes)
+    return modes[shift:] + modes[:shift]
 
 
 class Runner:
@@ -95,8 +114,10 @@ class Runner:
         max_concurrency: int | None = None,
         progress: tqdm | None = None,
         control: bool = False,  # A/A: the spec mode's requests are sent plain too
+        peer: PeerTarget | None = None,
     ) -> None:
         self.client = client
+        self.peer = peer
         self.control = control
         self.settings = settings
         self.max_concurrency = max_concurrency
@@ -105,40 +126,47 @@ class Runner:
     async def measure(
         self, category: str, prompts: list[Prompt], load: Load, repeat: int, seed: int
     ) -> Measurement:
-        runs = {mode: ModeRun(mode) for mode in MODES}
+        modes = modes_for(load, self.peer.name if self.peer else None)
+        runs = {mode: ModeRun(mode) for mode in modes}
         for index, rnd in enumerate(rounds_for(prompts, load, seed + repeat)):
-            for mode in mode_order(index, repeat):
+            for mode in mode_order(index, repeat, modes):
                 await self._run_round(rnd, runs[mode])
         return Measurement(category, load, repeat, runs)
 
     async def _run_round(self, rnd: Round, run: ModeRun) -> None:
-        before = await scrape(self.client)
+        before = await self._scrape(run.mode)
         start = time.perf_counter()
-        spec = run.mode == "spec" and not self.control
         if rnd.offsets_s is None:
-            tasks = [self._send(p, spec) for p in rnd.prompts]
+            tasks = [self._send(p, run.mode) for p in rnd.prompts]
         else:
             limit = asyncio.Semaphore(self.max_concurrency or len(rnd.prompts))
             tasks = [
-                self._arrive(p, spec, start + o, limit)
+                self._arrive(p, run.mode, start + o, limit)
                 for p, o in zip(rnd.prompts, rnd.offsets_s, strict=True)
             ]
         run.results.extend(await asyncio.gather(*tasks))
         run.wall_s += time.perf_counter() - start
-        after = await scrape(self.client)
+        after = await self._scrape(run.mode)
         if before is not None and after is not None:
             delta = after - before
             run.counters = delta if run.counters is None else run.counters + delta
 
+    async def _scrape(self, mode: str) -> SpecCounters | None:
+        return await scrape(self.client) if mode in MODES else None
+
     async def _arrive(
-        self, prompt: Prompt, spec: bool, at: float, limit: asyncio.Semaphore
+        self, prompt: Prompt, mode: str, at: float, limit: asyncio.Semaphore
     ) -> RequestResult:
         await asyncio.sleep(max(0.0, at - time.perf_counter()))
         async with limit:
-            return await self._send(prompt, spec)
+            return await self._send(prompt, mode)
 
-    async def _send(self, prompt: Prompt, spec: bool) -> RequestResult:
-        result = await send_request(self.client, prompt, self.settings, spec)
+    async def _send(self, prompt: Prompt, mode: str) -> RequestResult:
+        if self.peer is not None and mode == self.peer.name:
+            result = await self.peer.send(prompt, self.settings)
+        else:
+            spec = mode == "spec" and not self.control
+            result = await send_request(self.client, prompt, self.settings, spec)
         if self.progress is not None:
             self.progress.update(1)
             if result.error:
@@ -162,7 +190,12 @@ class Runner:
             result = await send_request(self.client, prompt, short, spec)
             if result.error:
                 raise RuntimeError(f"warm-up request failed: {result.error}")
+        if self.peer is not None:
+            result = await self.peer.send(prompt, short)
+            if result.error:
+                raise RuntimeError(f"{self.peer.name}'s warm-up request failed: {result.error}")
 
 
-def requests_per_measurement(prompts: list[Prompt], load: Load) -> int:
-    return len(MODES) * sum(len(r.prompts) for r in rounds_for(prompts, load, seed=0))
+def requests_per_measurement(prompts: list[Prompt], load: Load, peer: str | None = None) -> int:
+    modes = modes_for(load, peer)
+    return len(modes) * sum(len(r.prompts) for r in rounds_for(prompts, load, seed=0))

@@ -1,7 +1,8 @@
 """From measured requests to result rows: percentiles per repeat, then medians over repeats.
 
 speedup_vs_plain is a ratio taken inside each repeat, between the two modes' runs of the same
-rounds (same prompts, same arrival schedule), and only then reduced to its median.
+rounds (same prompts, same arrival schedule), and only then reduced to its median. So is
+ratio_vs_<peer>: a mode's decode tokens/s over a peer's (llama.cpp) in the same repeat.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.serving.runner import Measurement, ModeRun
+from bench.serving.client import RequestResult
+from bench.serving.runner import MODES, Measurement, ModeRun
 
 Row = dict[str, Any]
 PCTS = (50, 90, 99)
@@ -38,6 +40,7 @@ def mode_figures(run: ModeRun) -> Row:
         "duration_s": run.wall_s,
         "output_tokens_per_s": tokens / run.wall_s if run.wall_s > 0 else None,
         "request_throughput_per_s": len(ok) / run.wall_s if run.wall_s > 0 else None,
+        "decode_tokens_per_s": decode_rate(ok),
     }
     row.update(percentiles([r.ttft_s for r in ok if r.ttft_s is not None], "ttft"))
     row.update(percentiles([gap for r in ok for gap in r.itl_s], "itl"))
@@ -47,6 +50,21 @@ def mode_figures(run: ModeRun) -> Row:
     forced = run.counters.num_forced_tokens if run.counters is not None else 0.0
     row["grammar_forced_share"] = forced / tokens if tokens and forced else None
     return row
+
+
+def decode_rate(results: list[RequestResult]) -> float | None:
+    """Tokens/s after the first token of each request: what decoding does, whatever prefill cost."""
+    spans = [
+        (r.output_tokens - 1, r.e2e_s - r.ttft_s)
+        for r in results
+        if r.ttft_s is not None and r.e2e_s is not None and r.output_tokens > 1
+    ]
+    seconds = sum(s for _, s in spans)
+    return sum(n for n, _ in spans) / seconds if seconds > 0 else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def acceptance_figures(run: ModeRun) -> Row:
@@ -93,12 +111,18 @@ def measurement_rows(m: Measurement) -> list[Row]:
     """One row per mode of one repeat, with the speedup of this repeat's paired runs."""
     figures = {mode: mode_figures(run) for mode, run in m.runs.items()}
     plain_tps = figures["plain"]["output_tokens_per_s"]
+    peers = [mode for mode in figures if mode not in MODES]
     rows = []
     for mode, fig in figures.items():
-        tps = fig["output_tokens_per_s"]
-        speedup = tps / plain_tps if tps is not None and plain_tps else None
+        speedup = _ratio(fig["output_tokens_per_s"], plain_tps)
+        vs_peers = {
+            f"ratio_vs_{peer}": _ratio(
+                fig["decode_tokens_per_s"], figures[peer]["decode_tokens_per_s"]
+            )
+            for peer in peers
+        }
         prompts = _prompts(m.runs[mode])
-        rows.append({**_key(m, mode), **fig, "speedup_vs_plain": speedup, **prompts})
+        rows.append({**_key(m, mode), **fig, "speedup_vs_plain": speedup, **vs_peers, **prompts})
     return rows
 
 
@@ -151,8 +175,6 @@ def _median(values: list[Any]) -> float | None:
 
 def peer_rows(records: list[Row]) -> list[Row]:
     """Rows for the transformers peers (concurrency 1): one repeat's requests run back to back."""
-    from bench.serving.client import RequestResult
-
     runs: dict[tuple[str, int, str], ModeRun] = defaultdict(lambda: ModeRun(""))
     for rec in records:
         fields = {k: v for k, v in rec.items() if k not in ("category", "repeat")}

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf_blocks import random_blocks
 
 from engine.kernels import gguf_ops
 
@@ -24,7 +25,6 @@ pytestmark = pytest.mark.skipif(
 
 TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 ALL_VARIANTS = ["avx512vnni", "avx2", "scalar"]
-_SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # f16 d (and dmin) per block
 
 
 def variant_param(name: str) -> object:
@@ -35,25 +35,6 @@ def variant_param(name: str) -> object:
 
 
 VARIANTS = [variant_param(name) for name in ALL_VARIANTS]
-
-
-def random_blocks(
-    qtype: T, n: int, k: int, seed: int = 0, scale: float | None = None
-) -> torch.Tensor:
-    """[n, bytes per row] valid blocks: random bits, f16 scales in a sane range (or `scale`)."""
-    rng = np.random.default_rng(seed)
-    values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(n, k // values, nbytes), dtype=np.uint8)
-    for offset in _SCALE_OFFSETS.get(qtype, (0,)):
-        d = (
-            np.full(raw.shape[:2], scale)
-            if scale is not None
-            else rng.uniform(1e-3, 2e-2, raw.shape[:2])
-        )
-        raw[:, :, offset : offset + 2] = (
-            d.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
-        )
-    return torch.from_numpy(raw.reshape(n, -1))
 
 
 def gguf_reference(blocks: torch.Tensor, qtype: T) -> torch.Tensor:  # [N, K] float64

@@ -32,12 +32,6 @@ inline float load_half(const uint8_t* p) {
 
 inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-// [m0, m0, m1, m1, ..., m7, m7] as int16: the mins against the activation sums per 16.
-inline __m256i mins_per_16(const uint8_t mins[8]) {
-  const __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins)));
-  return _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
-}
-
 template <bool FiveBits>
 void q4_k_tile(const TileArgs& a) {
   constexpr int block_bytes = FiveBits ? 176 : 144;
@@ -70,9 +64,10 @@ void q4_k_tile(const TileArgs& a) {
         }
       }
       for (int s = 0; s < 8; ++s) scale[s] = _mm256_set1_epi16(scales_mins[s]);
-      const __m256i mins = mins_per_16(scales_mins + 8);
       const __m256 d = _mm256_set1_ps(load_half(block));
-      const __m256 dmin = _mm256_set1_ps(load_half(block + 2));
+      const __m256 mins = _mm256_mul_ps(
+          _mm256_set1_ps(load_half(block + 2)),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales_mins + 8)))));
       for (int r = 0; r < a.rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b;
         __m256i scaled = _mm256_setzero_si256();
@@ -80,10 +75,8 @@ void q4_k_tile(const TileArgs& a) {
           const __m256i pairs = _mm256_maddubs_epi16(q[s], load(x + 32 * s));
           scaled = _mm256_add_epi32(scaled, _mm256_madd_epi16(pairs, scale[s]));
         }
-        const __m256i low = _mm256_madd_epi16(load(a.acts[r].sums + 16 * b), mins);
-        const __m256 block_sum = _mm256_fmsub_ps(
-            d, _mm256_cvtepi32_ps(scaled), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(low)));
-        acc[r] = _mm256_fmadd_ps(block_sum, _mm256_set1_ps(a.acts[r].d[b]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled), _mm256_mul_ps(d, _mm256_set1_ps(a.acts[r].d[b])), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a.acts[r].dsums + 8 * b), acc[r]);
       }
     }
     for (int r = 0; r < a.rows; ++r) a.out[r * a.out_stride + n] = hsum(acc[r]);
@@ -193,8 +186,8 @@ void tile_32(const TileArgs& a) {
 }  // namespace
 
 Variant avx2_variant() {
-  return {"avx2",          tile_32<Q4_0>,     tile_32<Q5_0>, tile_32<Q8_0>,
-          q4_k_tile<false>, q4_k_tile<true>, q6_k_tile};
+  return {"avx2",          tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
+          q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     kNatural};
 }
 
 }  // namespace specserve::gguf

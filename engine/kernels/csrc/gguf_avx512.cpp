@@ -38,65 +38,73 @@ inline __m512i lane_index(int first, int per) {
   return _mm512_load_si512(index);
 }
 
+// Activations come in QOrder kNibbleHalves: zmm k of the weights is the low (k even) or high
+// (k odd) nibbles of the 64-byte half k / 2 of qs, i.e. the 32-value runs (sub-blocks)
+// {0, 2}, {1, 3}, {4, 6}, {5, 7} in its 256-bit halves, and the activations are stored so.
 template <bool FiveBits>
 void q4_k_tile(const TileArgs& a) {
   constexpr int block_bytes = FiveBits ? 176 : 144;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  __m512i pick[4], fifth_low[4], fifth_high[4];
+  const __m512i fifth = _mm512_set1_epi8(0x10);
+  static const int kRuns[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+  __m512i pick[4], fifth_bit[4];
   for (int k = 0; k < 4; ++k) {
-    pick[k] = lane_index(2 * k, 8);
-    fifth_low[k] = _mm512_set1_epi8(char(1 << (2 * k)));
-    fifth_high[k] = _mm512_set1_epi8(char(2 << (2 * k)));
+    pick[k] = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(kRuns[k][0]), _mm512_set1_epi32(kRuns[k][1]));
+    // value 64j + l has its fifth bit at bit 2j of qh[l], value 64j + 32 + l at bit 2j + 1
+    fifth_bit[k] = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(char(1 << (2 * (k / 2) * 2 + k % 2))),
+                                           _mm512_set1_epi8(char(1 << ((2 * (k / 2) + 1) * 2 + k % 2))));
   }
   for (int64_t n = a.n_begin; n < a.n_end; ++n) {
     const uint8_t* row = a.weights + n * a.weight_row_bytes;
     __m512 acc[kMaxRows];
-    for (int r = 0; r < a.rows; ++r) acc[r] = _mm512_setzero_ps();
+    __m256 low_acc[kMaxRows];
+    for (int r = 0; r < a.rows; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      low_acc[r] = _mm256_setzero_ps();
+    }
     for (int64_t b = 0; b < a.blocks; ++b) {
       const uint8_t* block = row + b * block_bytes;
       const uint8_t* qs = block + (FiveBits ? 48 : 16);
       uint8_t scales_mins[16];
       k_scales_mins(block + 4, scales_mins);
-      // Two 64-byte loads hold chunks j = 0..3 as [low nibbles j | high nibbles j]; regroup
-      // the 128-bit lanes so zmm k holds values 64k..64k+63 in order (sub-blocks 2k, 2k + 1).
       __m512i q[4];
       for (int half = 0; half < 2; ++half) {
         const __m512i v = load(qs + 64 * half);
-        const __m512i low = _mm512_and_si512(v, nibble);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        q[2 * half] = _mm512_shuffle_i64x2(low, high, 0x44);
-        q[2 * half + 1] = _mm512_shuffle_i64x2(low, high, 0xEE);
+        q[2 * half] = _mm512_and_si512(v, nibble);
+        q[2 * half + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
-      if (FiveBits) {  // bit 2k of qh[l] is value 64k + l's fifth bit, bit 2k + 1 value 64k + 32 + l's
+      if (FiveBits) {
         const __m256i qh = load256(block + 16);
+        const __m512i bits = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
         for (int k = 0; k < 4; ++k) {
-          const __m512i bits = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
-          const __m512i select = _mm512_mask_blend_epi64(0xF0, fifth_low[k], fifth_high[k]);
-          const __mmask64 set = _mm512_test_epi8_mask(bits, select);
-          q[k] = _mm512_or_si512(q[k], _mm512_maskz_set1_epi8(set, 0x10));
+          q[k] = _mm512_or_si512(q[k], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(bits, fifth_bit[k]), fifth));
         }
       }
       const __m512i scales_mins32 =
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales_mins)));
       __m512i scale[4];
       for (int k = 0; k < 4; ++k) scale[k] = _mm512_permutexvar_epi32(pick[k], scales_mins32);
-      const __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales_mins + 8)));
-      const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
-      const float d = load_half(block), dmin = load_half(block + 2);
+      const __m256 mins = _mm256_mul_ps(
+          _mm256_set1_ps(load_half(block + 2)),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales_mins + 8)))));
+      const __m512 d = _mm512_set1_ps(load_half(block));
       for (int r = 0; r < a.rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b;
         __m512i scaled = _mm512_madd_epi16(dot(q[0], load(x)), scale[0]);
         for (int k = 1; k < 4; ++k) {
           scaled = _mm512_add_epi32(scaled, _mm512_madd_epi16(dot(q[k], load(x + 64 * k)), scale[k]));
         }
-        const __m256i low = _mm256_madd_epi16(load256(a.acts[r].sums + 16 * b), mins);
-        const float dx = a.acts[r].d[b];
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), _mm512_set1_ps(d * dx), acc[r]);
-        acc[r] = _mm512_fnmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(low)),
-                                  _mm512_set1_ps(dmin * dx), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), _mm512_mul_ps(d, _mm512_set1_ps(a.acts[r].d[b])), acc[r]);
+        low_acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.acts[r].dsums + 8 * b), low_acc[r]);
       }
     }
-    for (int r = 0; r < a.rows; ++r) a.out[r * a.out_stride + n] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < a.rows; ++r) {
+      __m256 low = low_acc[r];
+      __m128 sum = _mm_add_ps(_mm256_castps256_ps128(low), _mm256_extractf128_ps(low, 1));
+      sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+      sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+      a.out[r * a.out_stride + n] = _mm512_reduce_add_ps(acc[r]) - _mm_cvtss_f32(sum);
+    }
   }
 }
 
@@ -198,7 +206,7 @@ void tile_32(const TileArgs& a) {
 
 Variant avx512_variant() {
   return {"avx512vnni",     tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
-          q4_k_tile<false>, q4_k_tile<true>, q6_k_tile};
+          q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     kNibbleHalves};
 }
 
 }  // namespace specserve::gguf

@@ -21,8 +21,9 @@
 //
 // Activations: each row is rounded on its own (so a row's result never depends on its batch):
 // per block of 256 (K-quants) or 32 values, d = max|x| / 127 and q = nearbyint(x / d) in
-// -127..127. A row is stored as [q: K int8][sums: K/16 int16 (K-quants)][d: one float per
-// block, each repeated 8 times for the 32-value formats so a SIMD lane reads its own].
+// -127..127. A row is stored as [q: K int8][sums: K/16 int16, dsums: K/32 float (K-quants)]
+// [d: one float per block, each repeated 8 times for the 32-value formats so a SIMD lane reads
+// its own]; see ActLayout.
 // Every integer product of a weight block and an activation block is exact in int32; variants
 // differ only in the order their float accumulation adds the blocks' products.
 //
@@ -103,17 +104,25 @@ static inline void k_scales_mins(const uint8_t* packed, uint8_t out[16]) {
 struct ActRow {
   const int8_t* q;       // [K]
   const int16_t* sums;   // [K / 16], K-quants only: sums of q per 16 values
+  const float* dsums;    // [K / 32], K-quants only: d * (sum of q) per 32 values, for the mins
   const float* d;        // [K / 256] (K-quants) or [K / 32 * 8] (32-value formats, repeated)
 };
+
+// `q_order` lets a variant read a K-quant super-block's activations in the order its unpacked
+// weights come in (kNatural, or kNibbleHalves: the 32-value runs 0, 2, 1, 3, 4, 6, 5, 7, which
+// is what the low and high nibbles of Q4_K's two 64-byte halves hold, so no shuffle is needed).
+enum QOrder { kNatural = 0, kNibbleHalves = 1 };
 
 struct ActLayout {
   int64_t k;
   bool k_quant;
-  int64_t sums_offset, d_offset, row_bytes;  // bytes
+  QOrder q_order;
+  int64_t sums_offset, dsums_offset, d_offset, row_bytes;  // bytes
 
-  ActLayout(int64_t k_, bool k_quant_) : k(k_), k_quant(k_quant_) {
+  ActLayout(int64_t k_, bool k_quant_, QOrder order) : k(k_), k_quant(k_quant_), q_order(order) {
     sums_offset = k;
-    d_offset = sums_offset + (k_quant ? k / 16 * 2 : 0);
+    dsums_offset = sums_offset + (k_quant ? k / 16 * 2 : 0);
+    d_offset = dsums_offset + (k_quant ? k / 32 * 4 : 0);
     const int64_t d_count = k_quant ? k / 256 : k / 32 * 8;
     row_bytes = (d_offset + d_count * 4 + 63) / 64 * 64;  // rows start 64-byte aligned
   }
@@ -121,7 +130,7 @@ struct ActLayout {
   ActRow row(const uint8_t* base, int64_t r) const {
     const uint8_t* p = base + r * row_bytes;
     return {reinterpret_cast<const int8_t*>(p), reinterpret_cast<const int16_t*>(p + sums_offset),
-            reinterpret_cast<const float*>(p + d_offset)};
+            reinterpret_cast<const float*>(p + dsums_offset), reinterpret_cast<const float*>(p + d_offset)};
   }
 };
 
@@ -147,6 +156,7 @@ using TileKernel = void (*)(const TileArgs&);
 struct Variant {
   const char* name;
   TileKernel q4_0, q5_0, q8_0, q4_k, q5_k, q6_k;
+  QOrder q4_k_order;  // how its Q4_K / Q5_K kernels want the activations
 
   TileKernel for_type(int qtype) const {
     switch (qtype) {

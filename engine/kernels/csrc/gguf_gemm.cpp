@@ -94,13 +94,15 @@ at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t 
   TORCH_CHECK(blocks_in.size(1) == blocks_per_row * format.block_bytes, "gguf_mm: x has K = ", k,
               " but the weight rows hold ", blocks_in.size(1) / format.block_bytes * format.block_values,
               " values");
-  const TileKernel kernel = variant_named(variant_name).for_type(int(qtype));
+  const Variant& variant = variant_named(variant_name);
+  const TileKernel kernel = variant.for_type(int(qtype));
   const at::Tensor x = x_in.contiguous();
   const at::Tensor blocks = blocks_in.contiguous();
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
 
-  const ActLayout layout(k, is_k_quant(int(qtype)));
+  const bool q4_k_like = qtype == Q4_K || qtype == Q5_K;
+  const ActLayout layout(k, is_k_quant(int(qtype)), q4_k_like ? variant.q4_k_order : kNatural);
   at::Tensor act_buffer = at::empty({m * layout.row_bytes}, blocks.options());
   uint8_t* act_base = act_buffer.data_ptr<uint8_t>();
   const float* x_data = x.data_ptr<float>();

@@ -147,6 +147,14 @@ inline int32_t round_nearest(float v) {
   return int32_t((v + magic) - magic);
 }
 
+// 32-value runs 0..7 -> 0, 2, 1, 3, 4, 6, 5, 7 (QOrder kNibbleHalves).
+void reorder_nibble_halves(int8_t* q) {
+  int8_t copy[256];
+  std::memcpy(copy, q, 256);
+  static const int kRun[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+  for (int i = 0; i < 8; ++i) std::memcpy(q + 32 * i, copy + 32 * kRun[i], 32);
+}
+
 }  // namespace
 
 void dequantize_block(int qtype, const uint8_t* block, float* out) {
@@ -168,6 +176,7 @@ void dequantize_block(int qtype, const uint8_t* block, float* out) {
 void quantize_row(const float* x, const ActLayout& layout, uint8_t* row) {
   int8_t* q = reinterpret_cast<int8_t*>(row);
   int16_t* sums = reinterpret_cast<int16_t*>(row + layout.sums_offset);
+  float* dsums = reinterpret_cast<float*>(row + layout.dsums_offset);
   float* d_out = reinterpret_cast<float*>(row + layout.d_offset);
   const int block = layout.k_quant ? 256 : 32;
   for (int64_t b = 0; b < layout.k / block; ++b) {
@@ -186,6 +195,8 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row) {
         for (int i = 0; i < 16; ++i) sum += q[b * block + 16 * g + i];
         sums[b * 16 + g] = int16_t(sum);
       }
+      for (int s = 0; s < 8; ++s) dsums[b * 8 + s] = d * float(sums[b * 16 + 2 * s] + sums[b * 16 + 2 * s + 1]);
+      if (layout.q_order == kNibbleHalves) reorder_nibble_halves(q + b * block);
     } else {
       for (int i = 0; i < 8; ++i) d_out[8 * b + i] = d;
     }
@@ -193,7 +204,8 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row) {
 }
 
 Variant scalar_variant() {
-  return {"scalar", tile_32<Q4_0>, tile_32<Q5_0>, tile_32<Q8_0>, k_tile<Q4_K>, k_tile<Q5_K>, k_tile<Q6_K>};
+  return {"scalar",     tile_32<Q4_0>, tile_32<Q5_0>, tile_32<Q8_0>,
+          k_tile<Q4_K>, k_tile<Q5_K>,   k_tile<Q6_K>, kNatural};
 }
 
 }  // namespace specserve::gguf

@@ -14,6 +14,8 @@
 
 #pragma GCC target("avx2,fma,f16c")
 
+#include "gguf_dequant.h"  // after the pragma: compiled for this target
+
 namespace specserve::gguf {
 namespace {
 
@@ -187,7 +189,7 @@ void tile_32(const TileArgs& a) {
 
 Variant avx2_variant() {
   return {"avx2",          tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
-          q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     kNatural};
+          q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     kNatural, dequantize_row_impl};
 }
 
 }  // namespace specserve::gguf

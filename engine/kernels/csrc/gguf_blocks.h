@@ -157,6 +157,7 @@ struct Variant {
   const char* name;
   TileKernel q4_0, q5_0, q8_0, q4_k, q5_k, q6_k;
   QOrder q4_k_order;  // how its Q4_K / Q5_K kernels want the activations
+  void (*dequantize_row)(int qtype, const uint8_t* row, int64_t blocks, float* out);
 
   TileKernel for_type(int qtype) const {
     switch (qtype) {

@@ -133,10 +133,10 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks_in, int64_t qtype) {
   at::Tensor out = at::empty({n, per_row * format.block_values}, blocks.options().dtype(at::kFloat));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, n * per_row, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      dequantize_block(int(qtype), src + i * format.block_bytes, dst + i * format.block_values);
-    }
+  const auto dequantize_row = variants().front().dequantize_row;
+  const int64_t k = per_row * format.block_values, row_bytes = blocks.size(1);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dequantize_row(int(qtype), src + i * row_bytes, per_row, dst + i * k);
   });
   return out;
 }

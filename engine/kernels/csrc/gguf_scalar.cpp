@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "gguf_blocks.h"
+#include "gguf_dequant.h"
 
 namespace specserve::gguf {
 namespace {
@@ -205,7 +206,7 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row) {
 
 Variant scalar_variant() {
   return {"scalar",     tile_32<Q4_0>, tile_32<Q5_0>, tile_32<Q8_0>,
-          k_tile<Q4_K>, k_tile<Q5_K>,   k_tile<Q6_K>, kNatural};
+          k_tile<Q4_K>, k_tile<Q5_K>,   k_tile<Q6_K>, kNatural, dequantize_row_impl};
 }
 
 }  // namespace specserve::gguf

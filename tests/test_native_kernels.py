@@ -35,6 +35,22 @@ def variant_param(name: str) -> object:
 
 
 VARIANTS = [variant_param(name) for name in ALL_VARIANTS]
+# The file's formats, and Q4_K repacked at load for the AVX512-VNNI kernel (which the scalar
+# reference also multiplies, on any CPU).
+FORMS = [t.name for t in TYPES] + ["Q4_K_X"]
+
+
+def file_type(form: str) -> T:
+    return T.Q4_K if form == "Q4_K_X" else T[form]
+
+
+def operands(form: str, blocks: torch.Tensor, variant: str) -> tuple[torch.Tensor, int]:
+    """The blocks as `variant` multiplies them for this form, and the type id to pass."""
+    if form != "Q4_K_X":
+        return blocks, int(T[form])
+    if variant == "avx2":
+        pytest.skip("Q4_K_X is the avx512vnni layout; avx2 multiplies Q4_K as stored")
+    return gguf_ops.pack(blocks, int(T.Q4_K), "avx512vnni")
 
 
 def gguf_reference(blocks: torch.Tensor, qtype: T) -> torch.Tensor:  # [N, K] float64
@@ -42,28 +58,30 @@ def gguf_reference(blocks: torch.Tensor, qtype: T) -> torch.Tensor:  # [N, K] fl
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_integer_products_are_exact(qtype: T, variant: str) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_integer_products_are_exact(form: str, variant: str) -> None:
     """Activations that round to themselves (integers, 127 in every block) and power-of-two
     scales make every product and sum exact in float32: each variant must then equal the float64
     product of gguf's dequantization exactly."""
     k, n = 256, 24
+    qtype = file_type(form)
     blocks = random_blocks(qtype, n, k, seed=1, scale=2.0**-10)
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(-3, 4, (5, k), generator=gen).float()
     x[:, ::32] = 127.0  # every block's max: the activation scale is exactly 1
-    got = gguf_ops.mm(x, blocks, int(qtype), variant)
+    got = gguf_ops.mm(x, *operands(form, blocks, variant), variant)
     want = x.double() @ gguf_reference(blocks, qtype).T
     assert torch.equal(got.double(), want)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_variant_within_rounding_bound_of_gguf_dequantize(qtype: T, variant: str) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_variant_within_rounding_bound_of_gguf_dequantize(form: str, variant: str) -> None:
     """Rounding an activation block to int8 moves each value by at most amax / 254 (half a step
     of amax / 127), so |error| <= sum over blocks of amax_b / 254 * sum_b |w|; float32 sums add
     at most 1e-5 of sum |x||w|."""
     k, n, m = 512, 40, 6
+    qtype = file_type(form)
     values = gguf.GGML_QUANT_SIZES[qtype][0] if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 32
     blocks = random_blocks(qtype, n, k, seed=2)
     w = gguf_reference(blocks, qtype)  # [N, K]
@@ -71,42 +89,43 @@ def test_variant_within_rounding_bound_of_gguf_dequantize(qtype: T, variant: str
     amax = x.abs().view(m, -1, values).amax(-1)  # [M, K / values]
     w_abs = w.abs().view(n, -1, values).sum(-1)  # [N, K / values]
     bound = (amax / 254) @ w_abs.T + 1e-5 * (x.abs() @ w.abs().T)
-    got = gguf_ops.mm(x.float(), blocks, int(qtype), variant).double()
+    got = gguf_ops.mm(x.float(), *operands(form, blocks, variant), variant).double()
     err = (got - x @ w.T).abs()
     assert (err <= bound).all(), f"worst error {err.max():.3g} against bound {bound.min():.3g}"
     assert err.max() > 0  # the activations were rounded: the bound is not vacuous
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_variant_close_to_scalar_reference(qtype: T, variant: str) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_variant_close_to_scalar_reference(form: str, variant: str) -> None:
     """Same integer products, float accumulation in another order: within 1e-5 of sum |x||w|."""
     k, n, m = 768, 33, 9
+    qtype = file_type(form)
     blocks = random_blocks(qtype, n, k, seed=3)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
-    got = gguf_ops.mm(x, blocks, int(qtype), variant)
+    got = gguf_ops.mm(x, *operands(form, blocks, variant), variant)
     ref = gguf_ops.mm(x, blocks, int(qtype), "scalar")
     scale = x.abs() @ gguf_ops.dequantize(blocks, int(qtype)).abs().T
     assert ((got - ref).abs() <= 1e-5 * scale).all()
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_dequantize_equals_gguf(qtype: T) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_dequantize_equals_gguf(form: str) -> None:
+    qtype = file_type(form)
     blocks = random_blocks(qtype, 7, 512, seed=4)
-    assert torch.equal(
-        gguf_ops.dequantize(blocks, int(qtype)).double(), gguf_reference(blocks, qtype)
-    )
+    ours = gguf_ops.dequantize(*operands(form, blocks, "avx512vnni")).double()
+    assert torch.equal(ours, gguf_reference(blocks, qtype))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
-def test_a_row_is_the_same_alone_or_in_any_batch(qtype: T, variant: str) -> None:
+@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q8_0", "Q4_K_X"])
+def test_a_row_is_the_same_alone_or_in_any_batch(form: str, variant: str) -> None:
     k, n = 512, 37
-    blocks = random_blocks(qtype, n, k, seed=5)
+    blocks, qtype = operands(form, random_blocks(file_type(form), n, k, seed=5), variant)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
-    alone = torch.cat([gguf_ops.mm(x[i : i + 1], blocks, int(qtype), variant) for i in range(16)])
+    alone = torch.cat([gguf_ops.mm(x[i : i + 1], blocks, qtype, variant) for i in range(16)])
     for m in range(1, 17):
-        batch = gguf_ops.mm(x[16 - m :], blocks, int(qtype), variant)
+        batch = gguf_ops.mm(x[16 - m :], blocks, qtype, variant)
         assert torch.equal(batch, alone[16 - m :]), f"rows {16 - m}.. in a batch of {m}"
 
 

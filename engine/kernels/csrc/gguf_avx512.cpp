@@ -110,6 +110,52 @@ void q4_k_tile(const TileArgs& a) {
   }
 }
 
+// Q4_K_X (repacked at load): zmm k's lanes 2s, 2s + 1 hold 8 values of sub-block s, so the
+// four `vpdpbusd` of a block accumulate in one register (each lane at most 16 * 15 * 127, an
+// int16) and take the sub-block scales with one `vpmaddwd`; the activations come in
+// QOrder kSubblockLanes.
+void q4_k_x_tile(const TileArgs& a) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int64_t n = a.n_begin; n < a.n_end; ++n) {
+    const uint8_t* row = a.weights + n * a.weight_row_bytes;
+    __m512 acc[kMaxRows];
+    __m256 low_acc[kMaxRows];
+    for (int r = 0; r < a.rows; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      low_acc[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* block = row + b * 148;
+      const __m512i v0 = load(block + 20), v1 = load(block + 84);
+      const __m512i q0 = _mm512_and_si512(v0, nibble), q1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nibble);
+      const __m512i q2 = _mm512_and_si512(v1, nibble), q3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nibble);
+      const __m128i scales_mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+      const __m512i scale = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(scales_mins, pairs));
+      const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(load_half(block + 2)),
+                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8))));
+      const __m512 d = _mm512_set1_ps(load_half(block));
+      for (int r = 0; r < a.rows; ++r) {
+        const int8_t* x = a.acts[r].q + 256 * b;
+        __m512i sum = dot(q0, load(x));
+        sum = _mm512_dpbusd_epi32(sum, q1, load(x + 64));
+        sum = _mm512_dpbusd_epi32(sum, q2, load(x + 128));
+        sum = _mm512_dpbusd_epi32(sum, q3, load(x + 192));
+        const __m512i scaled = _mm512_madd_epi16(sum, scale);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), _mm512_mul_ps(d, _mm512_set1_ps(a.acts[r].d[b])), acc[r]);
+        low_acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.acts[r].dsums + 8 * b), low_acc[r]);
+      }
+    }
+    for (int r = 0; r < a.rows; ++r) {
+      const __m256 low = low_acc[r];
+      __m128 sum = _mm_add_ps(_mm256_castps256_ps128(low), _mm256_extractf128_ps(low, 1));
+      sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+      sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+      a.out[r * a.out_stride + n] = _mm512_reduce_add_ps(acc[r]) - _mm_cvtss_f32(sum);
+    }
+  }
+}
+
 void q6_k_tile(const TileArgs& a) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i top = _mm512_set1_epi8(0x30);
@@ -208,7 +254,8 @@ void tile_32(const TileArgs& a) {
 
 Variant avx512_variant() {
   return {"avx512vnni",     tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
-          q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     kNibbleHalves, dequantize_row_impl};
+          q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     q4_k_x_tile,
+          kNibbleHalves,    kSubblockLanes,  dequantize_row_impl};
 }
 
 }  // namespace specserve::gguf

@@ -18,6 +18,12 @@
 //                            value 128h + 64 + l  = ql[64h + l] >> 4      | (qh[32h + l] >> 4 & 3) << 4
 //                            value 128h + 96 + l  = ql[64h + 32 + l] >> 4 | (qh[32h + l] >> 6) << 4
 //                            w = d * sc[value / 16] * (q - 32)
+// Repacked at load (never stored in a file; the id is ours, past GGML's):
+//   Q4_K_X 148 B / 256 values: d, dmin (f16), sc[8], m[8] (decoded), qs[128] where byte p of
+//                            64-byte half c holds, in its low / high nibble, the value that zmm
+//                            k = 2c / 2c + 1 wants at byte p: value_in_lanes(k, p) below. Each zmm
+//                            then holds 8 values of every sub-block (lanes 2s, 2s + 1: sub-block s),
+//                            so a block's four `vpdpbusd` accumulate in one register.
 //
 // Activations: each row is rounded on its own (so a row's result never depends on its batch):
 // per block of 256 (K-quants) or 32 values, d = max|x| / 127 and q = nearbyint(x / d) in
@@ -37,7 +43,7 @@
 namespace specserve::gguf {
 
 // GGML's type ids, the numbers the file and gguf-py use.
-enum QType : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum QType : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_K_X = 1012 };
 
 struct Format {
   int block_values;  // weights per block
@@ -52,11 +58,18 @@ static inline bool format_of(int qtype, Format* out) {
     case Q4_K: *out = {256, 144}; return true;
     case Q5_K: *out = {256, 176}; return true;
     case Q6_K: *out = {256, 210}; return true;
+    case Q4_K_X: *out = {256, 148}; return true;
     default: return false;
   }
 }
 
-static inline bool is_k_quant(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
+static inline bool is_k_quant(int qtype) {
+  return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == Q4_K_X;
+}
+
+// Q4_K_X: the super-block value that zmm k (0..3) holds at byte p (0..63): lane p / 4 belongs
+// to sub-block p / 8, and the four zmm split each sub-block's 32 values 8 apiece.
+static inline int value_in_lanes(int k, int p) { return 32 * (p / 8) + 8 * k + 4 * ((p / 4) % 2) + p % 4; }
 
 // IEEE half to float without F16C (the portable path and the reference use it).
 static inline float half_to_float(const uint8_t* p) {
@@ -111,7 +124,8 @@ struct ActRow {
 // `q_order` lets a variant read a K-quant super-block's activations in the order its unpacked
 // weights come in (kNatural, or kNibbleHalves: the 32-value runs 0, 2, 1, 3, 4, 6, 5, 7, which
 // is what the low and high nibbles of Q4_K's two 64-byte halves hold, so no shuffle is needed).
-enum QOrder { kNatural = 0, kNibbleHalves = 1 };
+// kSubblockLanes: byte 64k + p holds value_in_lanes(k, p) (Q4_K_X).
+enum QOrder { kNatural = 0, kNibbleHalves = 1, kSubblockLanes = 2 };
 
 struct ActLayout {
   int64_t k;
@@ -155,8 +169,8 @@ using TileKernel = void (*)(const TileArgs&);
 // The kernels of one ISA, by format; nullptr where the variant has none for that format.
 struct Variant {
   const char* name;
-  TileKernel q4_0, q5_0, q8_0, q4_k, q5_k, q6_k;
-  QOrder q4_k_order;  // how its Q4_K / Q5_K kernels want the activations
+  TileKernel q4_0, q5_0, q8_0, q4_k, q5_k, q6_k, q4_k_x;
+  QOrder q4_k_order, q4_k_x_order;  // how its Q4_K / Q5_K and Q4_K_X kernels want the activations
   void (*dequantize_row)(int qtype, const uint8_t* row, int64_t blocks, float* out);
 
   TileKernel for_type(int qtype) const {
@@ -167,6 +181,7 @@ struct Variant {
       case Q4_K: return q4_k;
       case Q5_K: return q5_k;
       case Q6_K: return q6_k;
+      case Q4_K_X: return q4_k_x;
       default: return nullptr;
     }
   }
@@ -181,5 +196,7 @@ Variant avx512_variant();
 // rounded into `row` (ActLayout::row_bytes bytes).
 void dequantize_block(int qtype, const uint8_t* block, float* out);
 void quantize_row(const float* x, const ActLayout& layout, uint8_t* row);
+// One Q4_K block (144 B) to Q4_K_X (148 B).
+void pack_q4_k_x(const uint8_t* block, uint8_t* out);
 
 }  // namespace specserve::gguf

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gguf_blocks.h"
@@ -65,6 +66,7 @@ const char* type_name(int64_t qtype) {
     case Q4_K: return "Q4_K";
     case Q5_K: return "Q5_K";
     case Q6_K: return "Q6_K";
+    case Q4_K_X: return "Q4_K_X";
     default: return "an unsupported type";
   }
 }
@@ -101,8 +103,12 @@ at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t 
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
 
-  const bool q4_k_like = qtype == Q4_K || qtype == Q5_K;
-  const ActLayout layout(k, is_k_quant(int(qtype)), q4_k_like ? variant.q4_k_order : kNatural);
+  TORCH_CHECK(kernel != nullptr, "gguf_mm: the ", variant.name, " variant has no kernel for ",
+              type_name(qtype), " (blocks repacked for another variant)");
+  const QOrder order = qtype == Q4_K || qtype == Q5_K ? variant.q4_k_order
+                       : qtype == Q4_K_X              ? variant.q4_k_x_order
+                                                      : kNatural;
+  const ActLayout layout(k, is_k_quant(int(qtype)), order);
   at::Tensor act_buffer = at::empty({m * layout.row_bytes}, blocks.options());
   uint8_t* act_base = act_buffer.data_ptr<uint8_t>();
   const float* x_data = x.data_ptr<float>();
@@ -141,6 +147,23 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks_in, int64_t qtype) {
   return out;
 }
 
+// The blocks in the layout `variant` (default: the best here) multiplies fastest, and their type:
+// Q4_K becomes Q4_K_X for avx512vnni; everything else comes back as it is.
+std::tuple<at::Tensor, int64_t> gguf_pack(const at::Tensor& blocks_in, int64_t qtype, const std::string& variant_name) {
+  checked_format(blocks_in, qtype);
+  const std::string name = variant_name.empty() ? variants().front().name : variant_name;
+  if (qtype != Q4_K || name != "avx512vnni") return {blocks_in, qtype};
+  const at::Tensor blocks = blocks_in.contiguous();
+  const int64_t n = blocks.size(0), per_row = blocks.size(1) / 144;
+  at::Tensor out = at::empty({n, per_row * 148}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n * per_row, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) pack_q4_k_x(src + i * 144, dst + i * 148);
+  });
+  return {out, int64_t(Q4_K_X)};
+}
+
 std::vector<std::string> gguf_variants() {
   std::vector<std::string> names;
   for (const Variant& v : variants()) names.emplace_back(v.name);
@@ -153,10 +176,12 @@ std::vector<std::string> gguf_variants() {
 TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {
   m.def("gguf_mm(Tensor x, Tensor blocks, int qtype, str variant=\"\") -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int qtype) -> Tensor");
+  m.def("gguf_pack(Tensor blocks, int qtype, str variant=\"\") -> (Tensor, int)");
   m.def("gguf_variants() -> str[]", &specserve::gguf::gguf_variants);
 }
 
 TORCH_LIBRARY_IMPL(specserve_kernels, CPU, m) {
   m.impl("gguf_mm", &specserve::gguf::gguf_mm);
   m.impl("gguf_dequantize", &specserve::gguf::gguf_dequantize);
+  m.impl("gguf_pack", &specserve::gguf::gguf_pack);
 }

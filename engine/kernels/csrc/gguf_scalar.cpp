@@ -66,8 +66,27 @@ void unpack_q6_k(const uint8_t* block, KBlock* out) {
   }
 }
 
+void unpack_q4_k_x(const uint8_t* block, KBlock* out) {
+  out->d = half_to_float(block);
+  out->dmin = half_to_float(block + 2);
+  out->offset = 0;
+  for (int g = 0; g < 16; ++g) {
+    out->scale[g] = block[4 + g / 2];
+    out->min[g] = block[12 + g / 2];
+  }
+  const uint8_t* qs = block + 20;
+  for (int c = 0; c < 2; ++c) {
+    for (int p = 0; p < 64; ++p) {
+      out->q[value_in_lanes(2 * c, p)] = qs[64 * c + p] & 15;
+      out->q[value_in_lanes(2 * c + 1, p)] = qs[64 * c + p] >> 4;
+    }
+  }
+}
+
 void unpack_k(int qtype, const uint8_t* block, KBlock* out) {
-  if (qtype == Q6_K) {
+  if (qtype == Q4_K_X) {
+    unpack_q4_k_x(block, out);
+  } else if (qtype == Q6_K) {
     unpack_q6_k(block, out);
   } else {
     unpack_q4_k_or_q5_k(block, qtype == Q5_K, out);
@@ -96,7 +115,7 @@ void unpack_32(int qtype, const uint8_t* block, int8_t q[32], float* d) {
 
 template <int QType>
 void k_tile(const TileArgs& a) {
-  constexpr int block_bytes = QType == Q4_K ? 144 : QType == Q5_K ? 176 : 210;
+  constexpr int block_bytes = QType == Q4_K ? 144 : QType == Q5_K ? 176 : QType == Q4_K_X ? 148 : 210;
   for (int64_t n = a.n_begin; n < a.n_end; ++n) {
     const uint8_t* row = a.weights + n * a.weight_row_bytes;
     float acc[kMaxRows] = {};
@@ -156,7 +175,27 @@ void reorder_nibble_halves(int8_t* q) {
   for (int i = 0; i < 8; ++i) std::memcpy(q + 32 * i, copy + 32 * kRun[i], 32);
 }
 
+void reorder_subblock_lanes(int8_t* q) {
+  int8_t copy[256];
+  std::memcpy(copy, q, 256);
+  for (int k = 0; k < 4; ++k) {
+    for (int p = 0; p < 64; ++p) q[64 * k + p] = copy[value_in_lanes(k, p)];
+  }
+}
+
 }  // namespace
+
+void pack_q4_k_x(const uint8_t* block, uint8_t* out) {
+  KBlock w;
+  unpack_q4_k_or_q5_k(block, false, &w);
+  std::memcpy(out, block, 4);  // d, dmin
+  k_scales_mins(block + 4, out + 4);
+  for (int c = 0; c < 2; ++c) {
+    for (int p = 0; p < 64; ++p) {
+      out[20 + 64 * c + p] = uint8_t(w.q[value_in_lanes(2 * c, p)] | w.q[value_in_lanes(2 * c + 1, p)] << 4);
+    }
+  }
+}
 
 void dequantize_block(int qtype, const uint8_t* block, float* out) {
   if (is_k_quant(qtype)) {
@@ -198,6 +237,7 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row) {
       }
       for (int s = 0; s < 8; ++s) dsums[b * 8 + s] = d * float(sums[b * 16 + 2 * s] + sums[b * 16 + 2 * s + 1]);
       if (layout.q_order == kNibbleHalves) reorder_nibble_halves(q + b * block);
+      if (layout.q_order == kSubblockLanes) reorder_subblock_lanes(q + b * block);
     } else {
       for (int i = 0; i < 8; ++i) d_out[8 * b + i] = d;
     }
@@ -206,7 +246,8 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row) {
 
 Variant scalar_variant() {
   return {"scalar",     tile_32<Q4_0>, tile_32<Q5_0>, tile_32<Q8_0>,
-          k_tile<Q4_K>, k_tile<Q5_K>,   k_tile<Q6_K>, kNatural, dequantize_row_impl};
+          k_tile<Q4_K>, k_tile<Q5_K>,   k_tile<Q6_K>, k_tile<Q4_K_X>,
+          kNatural,     kNatural,       dequantize_row_impl};
 }
 
 }  // namespace specserve::gguf

@@ -120,14 +120,14 @@ def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
 
 def _native_format(tensor: GgufTensorInfo) -> bool:
     qtype = int(tensor.tensor_type)
-    if qtype not in gguf_ops.FORMATS or tensor.data.ndim != 2:
+    if qtype not in gguf_ops.FILE_FORMATS or tensor.data.ndim != 2:
         return False
-    values, nbytes = gguf_ops.FORMATS[qtype]
+    values, nbytes = gguf_ops.FILE_FORMATS[qtype]
     return gguf_ops.supports(qtype, tensor.data.shape[1] // nbytes * values)
 
 
 def _blocks(tensor: GgufTensorInfo) -> GgufBlocks:
-    values, nbytes = gguf_ops.FORMATS[int(tensor.tensor_type)]
+    values, nbytes = gguf_ops.FILE_FORMATS[int(tensor.tensor_type)]
     k = tensor.data.shape[1] // nbytes * values
     raw = torch.from_numpy(np.array(tensor.data))  # a copy: the file stays closed to writes
     return GgufBlocks(raw, int(tensor.tensor_type), k, tensor.tensor_type.name)

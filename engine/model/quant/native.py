@@ -36,8 +36,8 @@ class GgufKernel:
     name = "gguf"
 
     def __init__(self, weight: GgufBlocks, dtype: torch.dtype) -> None:
-        self.blocks = weight.blocks.contiguous()  # [N, bytes per row] uint8
-        self.qtype = weight.qtype
+        # [N, bytes per row] uint8, repacked for this CPU's kernel where that pays (Q4_K)
+        self.blocks, self.qtype = gguf_ops.pack(weight.blocks.contiguous(), weight.qtype)
         self.dense_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         if (
             self.dense_dtype not in _dense_from

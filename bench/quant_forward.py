@@ -6,6 +6,7 @@ medians over rounds:
 
     python -m bench.quant_forward --threads 1 --rows 1,2,3,4,5,8 --prefill 512
     python -m bench.quant_forward --threads 2 --modes auto,w8a8,w8a8-fast --rows 1,2,4,8,16
+    python -m bench.quant_forward --threads 2 --modes gguf,w8a8,auto --rows 1,2,4,8,16 --prefill 512
     python -m bench.quant_forward --model bundled:qwen2.5-coder-0.5b-instruct --modes w8a8-fast \
         --head-rows 0,32768,65536 --rows 1,2 --prefill 0   # a draft's limited head
     python -m bench.quant_forward --model bundled:qwen2.5-coder-0.5b-instruct --modes w8a8-fast \
@@ -22,6 +23,7 @@ from dataclasses import replace
 
 import torch
 
+from bench.gguf_matmul import cpu_flags
 from engine.model.loader import load_model
 from engine.model.runner import ForwardInput, ModelRunner
 
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    print(f"CPU: {cpu_flags()}; {args.threads} threads", file=sys.stderr)
     rows = [int(m) for m in args.rows.split(",")]
     loaded = load_model(args.model, "auto")
     runners = {

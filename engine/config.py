@@ -18,8 +18,10 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # checkpoints stay float; none: everything dequantized to `dtype`; int8 / int4: float
 # checkpoints rounded to nearest at load (GGUF files behave as with auto); w8a8: every matrix
 # rounded to int8 per row and run with activations rounded to int8 per row in two passes (bf16's
-# quality, fbgemm on x86 CPUs); w8a8-fast: one pass, 7-bit activations (for a draft model).
-Quantization = Literal["auto", "none", "int8", "int4", "w8a8", "w8a8-fast"]
+# quality, fbgemm on x86 CPUs); w8a8-fast: one pass, 7-bit activations (for a draft model);
+# gguf: a GGUF file's blocks kept byte for byte and run on the native kernels (engine/kernels),
+# activations rounded to int8 per row and per block (auto's path where the kernels are missing).
+Quantization = Literal["auto", "none", "int8", "int4", "w8a8", "w8a8-fast", "gguf"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 

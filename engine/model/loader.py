@@ -46,9 +46,11 @@ class LoadedModel:
     def iter_weights(self) -> Iterator[tuple[str, WeightValue]]:
         """(transformers name, tensor or quantized weight) pairs, read lazily one at a time."""
         if self.gguf_file is not None:
+            from engine.kernels import gguf_ops
             from engine.model.quant.gguf_weights import read_gguf_weights
 
-            yield from read_gguf_weights(self.gguf_file, self.hf_config)
+            blocks = self.quantization == "gguf" and gguf_ops.available()
+            yield from read_gguf_weights(self.gguf_file, self.hf_config, blocks=blocks)
             return
         files = sorted(self.weights_dir.glob("*.safetensors"))
         if not files:

@@ -7,6 +7,8 @@ exactly at group size 32; `quantize_int4` rounds a float matrix to nearest (gpt-
 
 Scales and zeros are held in bfloat16, the kernels' own precision, so that the dequantized
 reference and every kernel compute the same weights.
+`GgufBlocks` is a matrix left in a GGUF file's own blocks (Q4_K, Q6_K, Q8_0, ...), byte for byte,
+for the native kernels (`quantization: gguf`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from engine.kernels import gguf_ops
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -68,7 +72,29 @@ class Int8Weight:
         return Int8Weight(self.q[index], self.scale[index], self.source)
 
 
-QuantizedWeight = Int4Weight | Int8Weight
+@dataclass(frozen=True)
+class GgufBlocks:
+    blocks: torch.Tensor  # [N, K / values per block * bytes per block] uint8, as in the file
+    qtype: int  # GGML type id (gguf.GGMLQuantizationType)
+    in_features: int
+    source: str  # the type's name, e.g. "Q4_K"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.blocks.shape[0]), self.in_features
+
+    @property
+    def kind(self) -> str:
+        return self.source
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [N, K]
+        return gguf_ops.dequantize(self.blocks, self.qtype).to(dtype)
+
+    def rows(self, index: torch.Tensor) -> GgufBlocks:
+        return GgufBlocks(self.blocks[index], self.qtype, self.in_features, self.source)
+
+
+QuantizedWeight = Int4Weight | Int8Weight | GgufBlocks
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
@@ -95,6 +121,9 @@ def quantize_int8(w: torch.Tensor, source: str = "rtn") -> Int8Weight:
 def cat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
     """Stack same-format weights along the output dimension (fused q/k/v, gate/up)."""
     first = parts[0]
+    if isinstance(first, GgufBlocks):
+        blocks = [p.blocks for p in parts if isinstance(p, GgufBlocks)]
+        return GgufBlocks(torch.cat(blocks), first.qtype, first.in_features, first.source)
     if isinstance(first, Int4Weight):
         int4 = [p for p in parts if isinstance(p, Int4Weight)]
         return Int4Weight(
@@ -113,4 +142,6 @@ def cat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
 def same_format(a: object, b: object) -> bool:
     if isinstance(a, Int4Weight) and isinstance(b, Int4Weight):
         return a.group_size == b.group_size
+    if isinstance(a, GgufBlocks) and isinstance(b, GgufBlocks):
+        return a.qtype == b.qtype
     return type(a) is type(b)

@@ -4,7 +4,8 @@ Q4_K becomes an `Int4Weight` of group size 32 without a float round trip: a Q4_K
 holds 8 sub-blocks of 32 values, w = d * sc * q - dmin * m, which is (q - 8) * scale + zero
 with scale = d * sc and zero = 8 * d * sc - dmin * m. Other quantized types (Q5_0, Q5_K, Q6_K,
 Q8_0, ...) are dequantized by `gguf` and rounded to int8 per output row. Float tensors (norms,
-biases) come back as float32 tensors.
+biases) come back as float32 tensors. With `blocks` (`quantization: gguf`), every matrix whose
+format the native kernels multiply comes back as the file's own bytes (`GgufBlocks`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from engine.model.quant.formats import Int4Weight, QuantizedWeight, cat_rows, quantize_int8
+from engine.kernels import gguf_ops
+from engine.model.quant.formats import (
+    GgufBlocks,
+    Int4Weight,
+    QuantizedWeight,
+    cat_rows,
+    quantize_int8,
+)
 from engine.model.quant.gguf_file import GgufTensorInfo, read_gguf
 
 _Q4_K_BLOCK = 144  # bytes per 256 values: d (f16), dmin (f16), 12 bytes of scales, 128 of q
@@ -65,10 +73,11 @@ GgufTensor = torch.Tensor | QuantizedWeight | GgufRows
 
 
 def read_gguf_weights(
-    path: Path, config: PretrainedConfig, exact: bool = False
+    path: Path, config: PretrainedConfig, exact: bool = False, blocks: bool = False
 ) -> Iterator[tuple[str, GgufTensor]]:
     """(transformers name, tensor or quantized weight) for every tensor of the file; with
-    `exact`, every tensor dequantized to float32 by gguf's own reference (quality baselines)."""
+    `exact`, every tensor dequantized to float32 by gguf's own reference (quality baselines);
+    with `blocks`, the native kernels' formats kept as the file's blocks."""
     arch, tensors = read_gguf(path)
     names = _hf_names(arch, int(config.num_hidden_layers))
     for tensor in tensors:
@@ -80,6 +89,8 @@ def read_gguf_weights(
             value: GgufTensor = _dequantized(tensor)
         elif hf_name == "model.embed_tokens.weight" and _rows_suffice(tensor, config):
             value = GgufRows(path, tensor)
+        elif blocks and _native_format(tensor):
+            value = _blocks(tensor)
         else:
             value = _convert(tensor)
         if arch in _PERMUTED_ARCHS and base.endswith(("attn_q", "attn_k")):
@@ -105,6 +116,21 @@ def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
         if gguf_name is not None:
             out[gguf_name] = name
     return out
+
+
+def _native_format(tensor: GgufTensorInfo) -> bool:
+    qtype = int(tensor.tensor_type)
+    if qtype not in gguf_ops.FILE_FORMATS or tensor.data.ndim != 2:
+        return False
+    values, nbytes = gguf_ops.FILE_FORMATS[qtype]
+    return gguf_ops.supports(qtype, tensor.data.shape[1] // nbytes * values)
+
+
+def _blocks(tensor: GgufTensorInfo) -> GgufBlocks:
+    values, nbytes = gguf_ops.FILE_FORMATS[int(tensor.tensor_type)]
+    k = tensor.data.shape[1] // nbytes * values
+    raw = torch.from_numpy(np.array(tensor.data))  # a copy: the file stays closed to writes
+    return GgufBlocks(raw, int(tensor.tensor_type), k, tensor.tensor_type.name)
 
 
 def _convert(tensor: GgufTensorInfo) -> GgufTensor:

@@ -20,7 +20,14 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.model.quant.formats import INT4_GROUP_SIZES, Int4Weight, Int8Weight, QuantizedWeight
+from engine.model.quant.formats import (
+    INT4_GROUP_SIZES,
+    GgufBlocks,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+)
+from engine.model.quant.native import GgufKernel
 
 log = logging.getLogger("specserve.quant")
 
@@ -262,6 +269,12 @@ def make_kernel(
     (else the weight-only int8 kernel)."""
     if isinstance(weight, torch.Tensor):
         return DenseKernel(weight, dtype, device)
+    if isinstance(weight, GgufBlocks):  # the native kernels are CPU kernels
+        return (
+            GgufKernel(weight, dtype)
+            if device.type == "cpu"
+            else DenseKernel(weight, dtype, device)
+        )
     for kind in _kernel_classes(weight, dtype, device, activation_passes):
         key = (kind.name, device.type)
         if key not in _checked:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.model.quant.formats import (
+    GgufBlocks,
     Int4Weight,
     Int8Weight,
     QuantizedWeight,
@@ -29,8 +30,9 @@ from engine.model.quant.kernels import DenseKernel, Int8DynamicKernel, Kernel, m
 # "keep": quantized tensors stay as they come, float ones stay dense (GGUF files);
 # "int4" / "int8": float tensors are rounded to nearest at load;
 # "w8a8" / "w8a8-fast": every matrix becomes int8 per row (int4 blocks re-rounded), run with
-# activations rounded to int8 per row in two passes (value and residual) or one.
-QuantizeMode = Literal["keep", "int4", "int8", "w8a8", "w8a8-fast"]
+# activations rounded to int8 per row in two passes (value and residual) or one;
+# "gguf": as "keep", the file's blocks arriving as `GgufBlocks` for the native kernels.
+QuantizeMode = Literal["keep", "int4", "int8", "w8a8", "w8a8-fast", "gguf"]
 ACTIVATION_PASSES: dict[str, int] = {"w8a8": 2, "w8a8-fast": 1}
 Shard = torch.Tensor | QuantizedWeight | GgufRows
 
@@ -44,7 +46,7 @@ def to_format(value: Shard, mode: QuantizeMode) -> Shard:
         if isinstance(value, torch.Tensor):
             return quantize_int8(value)
         return quantize_int8(value.dequantize(torch.float32), source=value.source)
-    if not isinstance(value, torch.Tensor) or mode == "keep":
+    if not isinstance(value, torch.Tensor) or mode in ("keep", "gguf"):
         return value
     if mode == "int4" and value.shape[1] % 32 == 0:
         return quantize_int4(value, 32)
@@ -163,8 +165,11 @@ class _Table:
         self.int8: Int8Weight | None = None
         self.int4: Int4Weight | None = None
         self.gguf: GgufRows | None = None
+        self.blocks: GgufBlocks | None = None  # shared with a tied head's kernel
         if isinstance(value, GgufRows):
             self.gguf = value
+        elif isinstance(value, GgufBlocks):
+            self.blocks = value
         elif isinstance(value, torch.Tensor):
             self.dense = value.to(device=device, dtype=dtype)
         elif isinstance(value, Int8Weight):
@@ -183,6 +188,8 @@ class _Table:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, K]
         if self.gguf is not None:
             return self.gguf.rows(ids).to(device=self.device, dtype=self.dtype)
+        if self.blocks is not None:
+            return self.blocks.rows(ids.cpu()).dequantize(self.dtype).to(self.device)
         if self.dense is not None:
             return self.dense[ids]
         if self.int8 is not None:
@@ -195,6 +202,8 @@ class _Table:
     def tensors(self) -> list[torch.Tensor]:
         if self.gguf is not None:
             return []  # memory-mapped: only the rows read lately are resident
+        if self.blocks is not None:
+            return [self.blocks.blocks]
         if self.dense is not None:
             return [self.dense]
         if self.int8 is not None:

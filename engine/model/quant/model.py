@@ -10,11 +10,16 @@ from torch import nn
 from engine.config import Quantization
 from engine.model.decoder import DecoderModel
 from engine.model.quant.linear import QuantEmbedding, QuantizeMode, QuantLinear
+from engine.model.quant.native import native_gguf
 
 
 def quantize_mode(quantization: Quantization, from_gguf: bool) -> QuantizeMode | None:
     """How layers take their weights; None: plain nn.Linear as before (`none`, or `auto` on a
     float checkpoint)."""
+    if quantization == "gguf":
+        if native_gguf(from_gguf):
+            return "gguf"
+        quantization = "auto"
     if quantization == "none" or (quantization == "auto" and not from_gguf):
         return None
     if quantization in ("w8a8", "w8a8-fast"):  # the modes of linear.ACTIVATION_PASSES

@@ -1,0 +1,261 @@
+// AVX512-VNNI variant (AVX512 F/BW/VL + VNNI): `vpdpbusd` sums 4 unsigned-weight x
+// signed-activation products into each int32 lane, 64 products an instruction.
+//
+// A zmm of 64 weights spans two 32-value sub-blocks (Q4_K, Q5_K: lanes 0-7 and 8-15) or four
+// 16-value groups (Q6_K: 4 lanes each). Their int16-sized lane sums (at most 4 * 63 * 127) get
+// their scales by `vpmaddwd` against scales held as int32 with a zero high half, which is an
+// exact int32 multiply in one instruction. The 32-value formats take two blocks per zmm.
+//
+// As in the AVX2 file, each weight block is unpacked once for all rows and each row keeps its
+// own accumulator, so a row's result does not depend on the other rows of the tile.
+#include <immintrin.h>
+
+#include "gguf_blocks.h"
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+
+#include "gguf_dequant.h"  // after the pragma: compiled for this target
+
+namespace specserve::gguf {
+namespace {
+
+inline float load_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m512i load(const void* p) { return _mm512_loadu_si512(p); }
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+inline __m512i dot(__m512i weights_u8, __m512i x_s8) {
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights_u8, x_s8);
+}
+
+// The lane -> scale index maps: lane i of zmm k takes scale `first + i / per`.
+inline __m512i lane_index(int first, int per) {
+  alignas(64) int32_t index[16];
+  for (int i = 0; i < 16; ++i) index[i] = first + i / per;
+  return _mm512_load_si512(index);
+}
+
+// Activations come in QOrder kNibbleHalves: zmm k of the weights is the low (k even) or high
+// (k odd) nibbles of the 64-byte half k / 2 of qs, i.e. the 32-value runs (sub-blocks)
+// {0, 2}, {1, 3}, {4, 6}, {5, 7} in its 256-bit halves, and the activations are stored so.
+template <bool FiveBits>
+void q4_k_tile(const TileArgs& a) {
+  constexpr int block_bytes = FiveBits ? 176 : 144;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i fifth = _mm512_set1_epi8(0x10);
+  static const int kRuns[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+  __m512i pick[4], fifth_bit[4];
+  for (int k = 0; k < 4; ++k) {
+    pick[k] = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(kRuns[k][0]), _mm512_set1_epi32(kRuns[k][1]));
+    // value 64j + l has its fifth bit at bit 2j of qh[l], value 64j + 32 + l at bit 2j + 1
+    fifth_bit[k] = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(char(1 << (2 * (k / 2) * 2 + k % 2))),
+                                           _mm512_set1_epi8(char(1 << ((2 * (k / 2) + 1) * 2 + k % 2))));
+  }
+  for (int64_t n = a.n_begin; n < a.n_end; ++n) {
+    const uint8_t* row = a.weights + n * a.weight_row_bytes;
+    __m512 acc[kMaxRows];
+    __m256 low_acc[kMaxRows];
+    for (int r = 0; r < a.rows; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      low_acc[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* block = row + b * block_bytes;
+      const uint8_t* qs = block + (FiveBits ? 48 : 16);
+      uint8_t scales_mins[16];
+      k_scales_mins(block + 4, scales_mins);
+      __m512i q[4];
+      for (int half = 0; half < 2; ++half) {
+        const __m512i v = load(qs + 64 * half);
+        q[2 * half] = _mm512_and_si512(v, nibble);
+        q[2 * half + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      if (FiveBits) {
+        const __m256i qh = load256(block + 16);
+        const __m512i bits = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+        for (int k = 0; k < 4; ++k) {
+          q[k] = _mm512_or_si512(q[k], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(bits, fifth_bit[k]), fifth));
+        }
+      }
+      const __m512i scales_mins32 =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales_mins)));
+      __m512i scale[4];
+      for (int k = 0; k < 4; ++k) scale[k] = _mm512_permutexvar_epi32(pick[k], scales_mins32);
+      const __m256 mins = _mm256_mul_ps(
+          _mm256_set1_ps(load_half(block + 2)),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales_mins + 8)))));
+      const __m512 d = _mm512_set1_ps(load_half(block));
+      for (int r = 0; r < a.rows; ++r) {
+        const int8_t* x = a.acts[r].q + 256 * b;
+        __m512i scaled = _mm512_madd_epi16(dot(q[0], load(x)), scale[0]);
+        for (int k = 1; k < 4; ++k) {
+          scaled = _mm512_add_epi32(scaled, _mm512_madd_epi16(dot(q[k], load(x + 64 * k)), scale[k]));
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), _mm512_mul_ps(d, _mm512_set1_ps(a.acts[r].d[b])), acc[r]);
+        low_acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.acts[r].dsums + 8 * b), low_acc[r]);
+      }
+    }
+    for (int r = 0; r < a.rows; ++r) {
+      __m256 low = low_acc[r];
+      __m128 sum = _mm_add_ps(_mm256_castps256_ps128(low), _mm256_extractf128_ps(low, 1));
+      sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+      sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+      a.out[r * a.out_stride + n] = _mm512_reduce_add_ps(acc[r]) - _mm_cvtss_f32(sum);
+    }
+  }
+}
+
+// Q4_K_X (repacked at load): zmm k's lanes 2s, 2s + 1 hold 8 values of sub-block s, so the
+// four `vpdpbusd` of a block accumulate in one register (each lane at most 16 * 15 * 127, an
+// int16) and take the sub-block scales with one `vpmaddwd`; the activations come in
+// QOrder kSubblockLanes.
+void q4_k_x_tile(const TileArgs& a) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int64_t n = a.n_begin; n < a.n_end; ++n) {
+    const uint8_t* row = a.weights + n * a.weight_row_bytes;
+    __m512 acc[kMaxRows];
+    __m256 low_acc[kMaxRows];
+    for (int r = 0; r < a.rows; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      low_acc[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* block = row + b * 148;
+      const __m512i v0 = load(block + 20), v1 = load(block + 84);
+      const __m512i q0 = _mm512_and_si512(v0, nibble), q1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nibble);
+      const __m512i q2 = _mm512_and_si512(v1, nibble), q3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nibble);
+      const __m128i scales_mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+      const __m512i scale = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(scales_mins, pairs));
+      const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(load_half(block + 2)),
+                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8))));
+      const __m512 d = _mm512_set1_ps(load_half(block));
+      for (int r = 0; r < a.rows; ++r) {
+        const int8_t* x = a.acts[r].q + 256 * b;
+        __m512i sum = dot(q0, load(x));
+        sum = _mm512_dpbusd_epi32(sum, q1, load(x + 64));
+        sum = _mm512_dpbusd_epi32(sum, q2, load(x + 128));
+        sum = _mm512_dpbusd_epi32(sum, q3, load(x + 192));
+        const __m512i scaled = _mm512_madd_epi16(sum, scale);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), _mm512_mul_ps(d, _mm512_set1_ps(a.acts[r].d[b])), acc[r]);
+        low_acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.acts[r].dsums + 8 * b), low_acc[r]);
+      }
+    }
+    for (int r = 0; r < a.rows; ++r) {
+      const __m256 low = low_acc[r];
+      __m128 sum = _mm_add_ps(_mm256_castps256_ps128(low), _mm256_extractf128_ps(low, 1));
+      sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+      sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+      a.out[r * a.out_stride + n] = _mm512_reduce_add_ps(acc[r]) - _mm_cvtss_f32(sum);
+    }
+  }
+}
+
+void q6_k_tile(const TileArgs& a) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i top = _mm512_set1_epi8(0x30);
+  // Per 256-bit half, how far the 2 high bits move to bits 4-5 (16-bit lanes, masked after).
+  const __m512i shift_low = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i shift_high = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i low_half = _mm512_set1_epi32(0xFFFF);
+  __m512i pick[4];
+  for (int k = 0; k < 4; ++k) pick[k] = lane_index(4 * k, 4);
+  for (int64_t n = a.n_begin; n < a.n_end; ++n) {
+    const uint8_t* row = a.weights + n * a.weight_row_bytes;
+    __m512 acc[kMaxRows];
+    for (int r = 0; r < a.rows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* block = row + b * 210;
+      __m512i q[4];
+      for (int h = 0; h < 2; ++h) {  // ql[64h..64h+63] is [values 128h + 0..31 | + 32..63] (low nibbles)
+        const __m512i low = load(block + 64 * h);
+        const __m256i qh = load256(block + 128 + 32 * h);
+        const __m512i high = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+        q[2 * h] = _mm512_or_si512(_mm512_and_si512(low, nibble),
+                                   _mm512_and_si512(_mm512_sllv_epi16(high, shift_low), top));
+        q[2 * h + 1] =
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
+                            _mm512_and_si512(_mm512_srlv_epi16(high, shift_high), top));
+      }
+      const __m128i scales8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+      const __m512i scales32 = _mm512_and_si512(_mm512_cvtepi8_epi32(scales8), low_half);
+      __m512i scale[4];
+      for (int k = 0; k < 4; ++k) scale[k] = _mm512_permutexvar_epi32(pick[k], scales32);
+      const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
+      const float d = load_half(block + 208);
+      for (int r = 0; r < a.rows; ++r) {
+        const int8_t* x = a.acts[r].q + 256 * b;
+        __m512i scaled = _mm512_madd_epi16(dot(q[0], load(x)), scale[0]);
+        for (int k = 1; k < 4; ++k) {
+          scaled = _mm512_add_epi32(scaled, _mm512_madd_epi16(dot(q[k], load(x + 64 * k)), scale[k]));
+        }
+        // q was unpacked as 0..63: take 32 * sum(x) per group of 16 back off.
+        const __m256i offset = _mm256_madd_epi16(load256(a.acts[r].sums + 16 * b), scales16);
+        scaled = _mm512_sub_epi32(scaled, _mm512_zextsi256_si512(_mm256_slli_epi32(offset, 5)));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), _mm512_set1_ps(d * a.acts[r].d[b]),
+                                 acc[r]);
+      }
+    }
+    for (int r = 0; r < a.rows; ++r) a.out[r * a.out_stride + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+// One 32-value block as 32 signed int8 (w = d * q).
+template <int QType>
+inline __m256i unpack_32(const uint8_t* block) {
+  if (QType == Q8_0) return load256(block + 2);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (QType == Q5_0 ? 6 : 2)));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
+  if (QType == Q4_0) return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+  uint32_t qh;
+  std::memcpy(&qh, block + 2, 4);
+  q = _mm256_or_si256(q, _mm256_maskz_set1_epi8(__mmask32(qh), 0x10));
+  return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+}
+
+template <int QType>
+void tile_32(const TileArgs& a) {
+  constexpr int block_bytes = QType == Q8_0 ? 34 : QType == Q5_0 ? 22 : 18;
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t n = a.n_begin; n < a.n_end; ++n) {
+    const uint8_t* row = a.weights + n * a.weight_row_bytes;
+    __m512 acc[kMaxRows];
+    for (int r = 0; r < a.rows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a.blocks; b += 2) {  // blocks b and b + 1 in the two halves
+      const bool pair = b + 1 < a.blocks;
+      const uint8_t* block = row + b * block_bytes;
+      __m512i w = _mm512_castsi256_si512(unpack_32<QType>(block));
+      w = _mm512_inserti64x4(w, pair ? unpack_32<QType>(block + block_bytes) : _mm256_setzero_si256(), 1);
+      const __mmask16 lanes = pair ? 0xFFFF : 0x00FF;
+      const __m512 d = _mm512_mask_blend_ps(
+          0xFF00, _mm512_set1_ps(load_half(block)),
+          _mm512_set1_ps(pair ? load_half(block + block_bytes) : 0.0f));
+      const __m512i magnitude = _mm512_abs_epi8(w);  // |w| as unsigned, -128 included
+      const __mmask64 negative = _mm512_movepi8_mask(w);
+      for (int r = 0; r < a.rows; ++r) {
+        const __mmask64 bytes = pair ? ~__mmask64(0) : __mmask64(0xFFFFFFFF);
+        __m512i x = _mm512_maskz_loadu_epi8(bytes, a.acts[r].q + 32 * b);
+        x = _mm512_mask_sub_epi8(x, negative, zero, x);  // x * sign(w)
+        const __m512 dx = _mm512_maskz_loadu_ps(lanes, a.acts[r].d + 8 * b);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(magnitude, x)), _mm512_mul_ps(d, dx), acc[r]);
+      }
+    }
+    for (int r = 0; r < a.rows; ++r) a.out[r * a.out_stride + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+}  // namespace
+
+Variant avx512_variant() {
+  return {"avx512vnni",     tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
+          q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     q4_k_x_tile,
+          kNibbleHalves,    kSubblockLanes,  dequantize_row_impl};
+}
+
+}  // namespace specserve::gguf

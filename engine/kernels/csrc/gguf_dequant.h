@@ -1,0 +1,61 @@
+// Dequantization of whole rows, written as plain loops that the compiler vectorizes: each ISA's
+// file includes this after its target pragma, so every variant gets its own vector width (the
+// functions are static: one private copy per file, never shared across targets). Q4_K and Q6_K
+// (the bulk of a Q4_K_M file) have their own loops; the other formats use the reference.
+#pragma once
+
+#include "gguf_blocks.h"
+
+namespace specserve::gguf {
+namespace {
+
+void dequantize_q4_k_row(const uint8_t* row, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, row += 144, out += 256) {
+    const float d = half_to_float(row), dmin = half_to_float(row + 2);
+    uint8_t scales_mins[16];
+    k_scales_mins(row + 4, scales_mins);
+    const uint8_t* qs = row + 16;
+    for (int j = 0; j < 4; ++j) {
+      const float scale_low = d * scales_mins[2 * j], min_low = dmin * scales_mins[8 + 2 * j];
+      const float scale_high = d * scales_mins[2 * j + 1], min_high = dmin * scales_mins[9 + 2 * j];
+      for (int l = 0; l < 32; ++l) out[64 * j + l] = scale_low * float(qs[32 * j + l] & 15) - min_low;
+      for (int l = 0; l < 32; ++l) out[64 * j + 32 + l] = scale_high * float(qs[32 * j + l] >> 4) - min_high;
+    }
+  }
+}
+
+void dequantize_q6_k_row(const uint8_t* row, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, row += 210, out += 256) {
+    const float d = half_to_float(row + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = row + 64 * h;
+      const uint8_t* qh = row + 128 + 32 * h;
+      float* o = out + 128 * h;
+      for (int part = 0; part < 2; ++part) {  // l in [16 part, 16 part + 16): one scale each
+        const int g = 8 * h + part;
+        const float s0 = d * sc[g], s1 = d * sc[g + 2], s2 = d * sc[g + 4], s3 = d * sc[g + 6];
+        for (int l = 16 * part; l < 16 * part + 16; ++l) {
+          o[l] = s0 * float(((ql[l] & 15) | (qh[l] & 3) << 4) - 32);
+          o[l + 32] = s1 * float(((ql[l + 32] & 15) | (qh[l] >> 2 & 3) << 4) - 32);
+          o[l + 64] = s2 * float(((ql[l] >> 4) | (qh[l] >> 4 & 3) << 4) - 32);
+          o[l + 96] = s3 * float(((ql[l + 32] >> 4) | (qh[l] >> 6) << 4) - 32);
+        }
+      }
+    }
+  }
+}
+
+// One weight row of `blocks` blocks to floats.
+void dequantize_row_impl(int qtype, const uint8_t* row, int64_t blocks, float* out) {
+  if (qtype == Q4_K) return dequantize_q4_k_row(row, blocks, out);
+  if (qtype == Q6_K) return dequantize_q6_k_row(row, blocks, out);
+  Format format;
+  format_of(qtype, &format);
+  for (int64_t b = 0; b < blocks; ++b) {
+    dequantize_block(qtype, row + b * format.block_bytes, out + b * format.block_values);
+  }
+}
+
+}  // namespace
+}  // namespace specserve::gguf

@@ -1,0 +1,187 @@
+// GEMM and dequantization on GGUF weight blocks as the file stores them (formats described in
+// gguf_blocks.h), registered as torch ops:
+//
+//   gguf_mm(x [M, K] float32, blocks [N, K / values * bytes] uint8, qtype, variant) -> [M, N] float32
+//   gguf_dequantize(blocks [N, bytes per row] uint8, qtype) -> [N, K] float32
+//   gguf_variants() -> the ISA variants this CPU runs, best first ("avx512vnni", "avx2", "scalar")
+//
+// Each activation row is rounded to int8 on its own, then the weight rows are split across
+// torch's intra-op threads in tiles of 16; inside a tile, rows go 8 at a time, so every weight
+// block is unpacked once per 8 activation rows and stays in cache for the next 8. A row's result
+// depends on neither the other rows nor the number of threads (batch invariance).
+// The variant is chosen here once, from what the CPU reports; Python chooses nothing but may
+// name one (the tests compare each against the scalar reference).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gguf_blocks.h"
+
+namespace specserve::gguf {
+namespace {
+
+constexpr int64_t kTileColumns = 16;
+
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool has_avx512vnni() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+// Best first; a variant's functions run only once the CPU has said it has the instructions.
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> all = [] {
+    std::vector<Variant> out;
+    if (has_avx512vnni()) out.push_back(avx512_variant());
+    if (has_avx2()) out.push_back(avx2_variant());
+    out.push_back(scalar_variant());
+    return out;
+  }();
+  return all;
+}
+
+const Variant& variant_named(const std::string& name) {
+  if (name.empty()) return variants().front();
+  for (const Variant& v : variants()) {
+    if (name == v.name) return v;
+  }
+  TORCH_CHECK(false, "gguf_mm: variant '", name, "' does not run on this CPU");
+}
+
+const char* type_name(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return "Q4_0";
+    case Q5_0: return "Q5_0";
+    case Q8_0: return "Q8_0";
+    case Q4_K: return "Q4_K";
+    case Q5_K: return "Q5_K";
+    case Q6_K: return "Q6_K";
+    case Q4_K_X: return "Q4_K_X";
+    default: return "an unsupported type";
+  }
+}
+
+Format checked_format(const at::Tensor& blocks, int64_t qtype) {
+  Format format;
+  TORCH_CHECK(format_of(int(qtype), &format), "gguf: GGML type ", qtype,
+              " is not supported (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K are)");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
+              "gguf: blocks must be a 2-D uint8 CPU tensor [N, bytes per row]");
+  TORCH_CHECK(blocks.size(1) % format.block_bytes == 0, "gguf: a ", type_name(qtype), " row of ",
+              blocks.size(1), " bytes is not a whole number of ", format.block_bytes, "-byte blocks");
+  return format;
+}
+
+}  // namespace
+
+at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t qtype,
+                   const std::string& variant_name) {
+  const Format format = checked_format(blocks_in, qtype);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "gguf_mm: x must be a 2-D float32 CPU tensor [M, K]");
+  const int64_t m = x_in.size(0), k = x_in.size(1), n = blocks_in.size(0);
+  TORCH_CHECK(k % format.block_values == 0, "gguf_mm: in_features ", k, " is not a multiple of the ",
+              type_name(qtype), " block (", format.block_values, " values)");
+  const int64_t blocks_per_row = k / format.block_values;
+  TORCH_CHECK(blocks_in.size(1) == blocks_per_row * format.block_bytes, "gguf_mm: x has K = ", k,
+              " but the weight rows hold ", blocks_in.size(1) / format.block_bytes * format.block_values,
+              " values");
+  const Variant& variant = variant_named(variant_name);
+  const TileKernel kernel = variant.for_type(int(qtype));
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor blocks = blocks_in.contiguous();
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+
+  TORCH_CHECK(kernel != nullptr, "gguf_mm: the ", variant.name, " variant has no kernel for ",
+              type_name(qtype), " (blocks repacked for another variant)");
+  const QOrder order = qtype == Q4_K || qtype == Q5_K ? variant.q4_k_order
+                       : qtype == Q4_K_X              ? variant.q4_k_x_order
+                                                      : kNatural;
+  const ActLayout layout(k, is_k_quant(int(qtype)), order);
+  at::Tensor act_buffer = at::empty({m * layout.row_bytes}, blocks.options());
+  uint8_t* act_base = act_buffer.data_ptr<uint8_t>();
+  const float* x_data = x.data_ptr<float>();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) quantize_row(x_data + r * k, layout, act_base + r * layout.row_bytes);
+  });
+  std::vector<ActRow> acts(m);
+  for (int64_t r = 0; r < m; ++r) acts[r] = layout.row(act_base, r);
+
+  const uint8_t* weights = blocks.data_ptr<uint8_t>();
+  float* out_data = out.data_ptr<float>();
+  at::parallel_for(0, n, kTileColumns, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; tile += kTileColumns) {
+      for (int64_t r = 0; r < m; r += kMaxRows) {
+        TileArgs args{weights, blocks.size(1), blocks_per_row, tile, std::min(tile + kTileColumns, end),
+                      acts.data() + r, int(std::min<int64_t>(kMaxRows, m - r)), out_data + r * n, n};
+        kernel(args);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& blocks_in, int64_t qtype) {
+  const Format format = checked_format(blocks_in, qtype);
+  const at::Tensor blocks = blocks_in.contiguous();
+  const int64_t n = blocks.size(0), per_row = blocks.size(1) / format.block_bytes;
+  at::Tensor out = at::empty({n, per_row * format.block_values}, blocks.options().dtype(at::kFloat));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const auto dequantize_row = variants().front().dequantize_row;
+  const int64_t k = per_row * format.block_values, row_bytes = blocks.size(1);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dequantize_row(int(qtype), src + i * row_bytes, per_row, dst + i * k);
+  });
+  return out;
+}
+
+// The blocks in the layout `variant` (default: the best here) multiplies fastest, and their type:
+// Q4_K becomes Q4_K_X for avx512vnni; everything else comes back as it is.
+std::tuple<at::Tensor, int64_t> gguf_pack(const at::Tensor& blocks_in, int64_t qtype, const std::string& variant_name) {
+  checked_format(blocks_in, qtype);
+  const std::string name = variant_name.empty() ? variants().front().name : variant_name;
+  if (qtype != Q4_K || name != "avx512vnni") return {blocks_in, qtype};
+  const at::Tensor blocks = blocks_in.contiguous();
+  const int64_t n = blocks.size(0), per_row = blocks.size(1) / 144;
+  at::Tensor out = at::empty({n, per_row * 148}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n * per_row, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) pack_q4_k_x(src + i * 144, dst + i * 148);
+  });
+  return {out, int64_t(Q4_K_X)};
+}
+
+std::vector<std::string> gguf_variants() {
+  std::vector<std::string> names;
+  for (const Variant& v : variants()) names.emplace_back(v.name);
+  return names;
+}
+
+}  // namespace specserve::gguf
+
+// The tensor ops are CPU kernels (Python registers their shapes for torch.compile's fake tensors).
+TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {
+  m.def("gguf_mm(Tensor x, Tensor blocks, int qtype, str variant=\"\") -> Tensor");
+  m.def("gguf_dequantize(Tensor blocks, int qtype) -> Tensor");
+  m.def("gguf_pack(Tensor blocks, int qtype, str variant=\"\") -> (Tensor, int)");
+  m.def("gguf_variants() -> str[]", &specserve::gguf::gguf_variants);
+}
+
+TORCH_LIBRARY_IMPL(specserve_kernels, CPU, m) {
+  m.impl("gguf_mm", &specserve::gguf::gguf_mm);
+  m.impl("gguf_dequantize", &specserve::gguf::gguf_dequantize);
+  m.impl("gguf_pack", &specserve::gguf::gguf_pack);
+}

@@ -1,0 +1,84 @@
+"""The GGUF block GEMM's Python face: typed calls into `torch.ops.specserve_kernels` and the
+shapes torch.compile traces them with.
+
+`mm(x, blocks, qtype)` multiplies float32 activation rows by a matrix held as the file's own
+blocks (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K); `dequantize` turns the blocks into float32. The C++
+side picks its ISA variant from the running CPU; `variant` names one only for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from engine.kernels import build
+
+# GGML type ids (gguf.GGMLQuantizationType) -> (values, bytes) per block
+FILE_FORMATS: dict[int, tuple[int, int]] = {
+    2: (32, 18),
+    6: (32, 22),
+    8: (32, 34),
+    12: (256, 144),
+    13: (256, 176),
+    14: (256, 210),
+}
+Q4_K_X = 1012  # Q4_K repacked at load for the AVX512-VNNI kernel (never in a file)
+FORMATS = {**FILE_FORMATS, Q4_K_X: (256, 148)}
+
+
+@cache
+def available() -> bool:
+    """True when the native library is loaded and offers the GGUF ops."""
+    if not build.load():
+        return False
+    if "gguf_mm" not in build.ops():
+        return False
+    _register_fakes()
+    return True
+
+
+def variants() -> list[str]:
+    """The ISA variants this CPU runs, best first, e.g. ["avx512vnni", "avx2", "scalar"]."""
+    return list(torch.ops.specserve_kernels.gguf_variants()) if available() else []
+
+
+def supports(qtype: int, in_features: int) -> bool:
+    """Whether a file's matrix of this type and input width runs on the native kernels."""
+    return qtype in FILE_FORMATS and in_features % FILE_FORMATS[qtype][0] == 0
+
+
+def pack(blocks: torch.Tensor, qtype: int, variant: str = "") -> tuple[torch.Tensor, int]:
+    """The blocks in the layout the variant (default: the best here) runs fastest, and its type
+    id: Q4_K is repacked for AVX512-VNNI (+3% bytes); other types come back unchanged."""
+    if not available():
+        raise RuntimeError("the native kernels are not available here")
+    packed, packed_type = torch.ops.specserve_kernels.gguf_pack(blocks, qtype, variant)
+    return packed, int(packed_type)
+
+
+def mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, variant: str = "") -> torch.Tensor:
+    """x [M, K] float32 times the blocks' matrix [N, K] transposed: [M, N] float32."""
+    return torch.ops.specserve_kernels.gguf_mm(x, blocks, qtype, variant)
+
+
+def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:  # [N, bytes] -> [N, K] float32
+    return torch.ops.specserve_kernels.gguf_dequantize(blocks, qtype)
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    values, nbytes = FORMATS[qtype]
+    return in_features // values * nbytes
+
+
+@cache
+def _register_fakes() -> None:
+    @torch.library.register_fake("specserve_kernels::gguf_mm")
+    def _(x: torch.Tensor, blocks: torch.Tensor, qtype: int, variant: str = "") -> torch.Tensor:
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
+    @torch.library.register_fake("specserve_kernels::gguf_dequantize")
+    def _(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+        values, nbytes = FORMATS[qtype]
+        k = blocks.shape[1] // nbytes * values
+        return blocks.new_empty(blocks.shape[0], k, dtype=torch.float32)

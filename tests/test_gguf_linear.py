@@ -1,0 +1,130 @@
+"""`quantization: gguf`: a GGUF file's blocks kept as stored and run by the native kernels, in a
+tiny model end to end; speculation equal to plain decoding; the fallback without the kernels."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from engine_utils import greedy, make_engine, outputs, random_prompts
+from gguf import GGMLQuantizationType as T
+from gguf_blocks import random_blocks, write_random_gguf
+from tiny import make_tiny_model
+
+from engine.config import SpeculativeConfig
+from engine.kernels import gguf_ops
+from engine.model.loader import load_model
+from engine.model.quant import native
+from engine.model.quant.formats import GgufBlocks
+from engine.model.quant.linear import QuantEmbedding
+from engine.model.runner import ForwardInput, ModelRunner
+
+needs_kernels = pytest.mark.skipif(not gguf_ops.available(), reason="native kernels not built")
+KINDS = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def tiny_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("gguf")
+    src = make_tiny_model(
+        tmp / "src", hidden_size=256, intermediate_size=512, tie_word_embeddings=request.param
+    )
+    path = tmp / "tiny.gguf"
+    write_random_gguf(path, src, KINDS)
+    return path
+
+
+def _logits(
+    path: Path, quantization: str, dtype: str, ids: list[int]
+) -> tuple[ModelRunner, torch.Tensor]:
+    runner = ModelRunner(load_model(str(path), quantization), "cpu", dtype, 4)  # type: ignore[arg-type]
+    runner.allocate_kv_cache(32)
+    return runner, runner.forward([ForwardInput(ids, 0, list(range(32)), len(ids))])
+
+
+@needs_kernels
+def test_gguf_keeps_the_blocks_and_every_matrix_is_within_rounding_of_its_float_path(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each matrix of a forward against the same blocks dequantized exactly with float32
+    activations: only the int8 activation rounding differs, ~0.7% for Gaussian rows
+    (amax / 127 / sqrt(12) per value over amax / rms ~ 3-4), ~1.3% with the outliers seen here.
+    The random weights amplify that over two layers (their logits are nearly flat, so argmax
+    agreement says little), so the logits get a looser bound."""
+    errors: list[float] = []
+    native_call = native.GgufKernel.native
+
+    def checked(self: native.GgufKernel, x: torch.Tensor) -> torch.Tensor:
+        got, want = native_call(self, x), self.dense(x)
+        errors.append(((got - want).norm() / want.norm()).item())
+        return got
+
+    ids = list(range(3, 30))
+    monkeypatch.setattr(native.GgufKernel, "native", checked)
+    runner, ours = _logits(tiny_gguf, "gguf", "float32", ids)
+    for kind in ("Q4_K", "Q6_K", "Q8_0", "Q5_0"):
+        assert kind in runner.weights.label
+    embedding = runner.model.embed_tokens
+    assert isinstance(embedding, QuantEmbedding) and embedding.table is not None
+    tied = embedding.head is not None
+    assert (embedding.table.blocks is not None) == tied  # untied: rows looked up in the file
+    assert len(errors) >= 2 * 4 + 1 and 0 < max(errors) < 0.02
+    monkeypatch.setitem(native._dense_from, torch.float32, 0)  # every call dense
+    _, reference = _logits(tiny_gguf, "gguf", "float32", ids)
+    assert ((ours - reference).norm() / reference.norm()).item() < 0.15
+
+
+@needs_kernels
+def test_speculative_greedy_equals_plain(tiny_gguf: Path, tiny_draft_dir: Path) -> None:
+    """The verify rows go through the same kernel as a decode row, bit for bit."""
+    spec = SpeculativeConfig(
+        method="draft", num_speculative_tokens=3, adaptive=False, draft_model=str(tiny_draft_dir)
+    )
+    plain = make_engine(tiny_gguf, quantization="gguf", dtype="bfloat16")
+    speculative = make_engine(tiny_gguf, quantization="gguf", dtype="bfloat16", speculative=spec)
+    assert "Q4_K" in speculative.target.weights.label
+    prompts = random_prompts(4, (3, 20), 300, seed=5)
+    params = greedy(10)
+    assert outputs(speculative, prompts, params) == outputs(plain, prompts, params)
+
+
+def test_without_the_kernels_gguf_runs_as_auto_with_one_line(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(gguf_ops, "available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="specserve.quant"):
+        runner, _ = _logits(tiny_gguf, "gguf", "bfloat16", [3, 4, 5])
+    assert "Q4_K" not in runner.weights.label and "int4-g32" in runner.weights.label
+    lines = [r.getMessage() for r in caplog.records if "quantization gguf" in r.getMessage()]
+    assert len(lines) == 1 and "not available" in lines[0]
+
+
+def test_gguf_on_a_float_checkpoint_runs_as_auto(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="specserve.quant"):
+        runner = ModelRunner(load_model(str(tiny_model_dir), "gguf"), "cpu", "float32", 4)
+    assert runner.weights.label == "float32"
+    assert any("not a .gguf file" in r.getMessage() for r in caplog.records)
+
+
+@needs_kernels
+def test_prefill_path_is_measured_and_both_paths_agree(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start-up timing picks a row count (or none) and says so; the dense path computes
+    the same product without the activation rounding."""
+    monkeypatch.setattr(native, "_dense_from", {})
+    monkeypatch.setattr(native, "_MEASURE_MIN_VALUES", 0)
+    monkeypatch.setattr(native, "PREFILL_CANDIDATES", (32,))
+    weight = GgufBlocks(random_blocks(T.Q4_K, 64, 512), int(T.Q4_K), 512, "Q4_K")
+    with caplog.at_level(logging.INFO, logger="specserve.quant"):
+        kernel = native.GgufKernel(weight, torch.bfloat16)
+    assert native._dense_from[torch.bfloat16] in (32, native.NEVER)
+    assert any("gguf kernels" in r.getMessage() for r in caplog.records)
+    x = torch.randn(40, 512)
+    want = x @ weight.dequantize().T
+    for path in (kernel.native, kernel.dense):
+        assert ((path(x) - want).norm() / want.norm()).item() < 0.02

@@ -1,0 +1,189 @@
+"""The GGUF block GEMM: every format x every ISA variant this CPU runs against the scalar
+reference and against gguf's own dequantization, shape checks, batch and thread invariance.
+
+Variants the CPU lacks are skipped with the reason; CI hosts without AVX512 still test AVX2.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf_blocks import random_blocks
+
+from engine.kernels import gguf_ops
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("c++") or shutil.which("g++")) or not gguf_ops.available(),
+    reason="the native kernels did not build here (the fallback is tested in test_gguf_linear.py)",
+)
+
+TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+ALL_VARIANTS = ["avx512vnni", "avx2", "scalar"]
+
+
+def variant_param(name: str) -> object:
+    present = not gguf_ops.available() or name in gguf_ops.variants()
+    return pytest.param(
+        name, marks=pytest.mark.skipif(not present, reason=f"this CPU lacks {name}")
+    )
+
+
+VARIANTS = [variant_param(name) for name in ALL_VARIANTS]
+# The file's formats, and Q4_K repacked at load for the AVX512-VNNI kernel (which the scalar
+# reference also multiplies, on any CPU).
+FORMS = [t.name for t in TYPES] + ["Q4_K_X"]
+
+
+def file_type(form: str) -> T:
+    return T.Q4_K if form == "Q4_K_X" else T[form]
+
+
+def operands(form: str, blocks: torch.Tensor, variant: str) -> tuple[torch.Tensor, int]:
+    """The blocks as `variant` multiplies them for this form, and the type id to pass."""
+    if form != "Q4_K_X":
+        return blocks, int(T[form])
+    if variant == "avx2":
+        pytest.skip("Q4_K_X is the avx512vnni layout; avx2 multiplies Q4_K as stored")
+    return gguf_ops.pack(blocks, int(T.Q4_K), "avx512vnni")
+
+
+def gguf_reference(blocks: torch.Tensor, qtype: T) -> torch.Tensor:  # [N, K] float64
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).astype(np.float64))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("form", FORMS)
+def test_integer_products_are_exact(form: str, variant: str) -> None:
+    """Activations that round to themselves (integers, 127 in every block) and power-of-two
+    scales make every product and sum exact in float32: each variant must then equal the float64
+    product of gguf's dequantization exactly."""
+    k, n = 256, 24
+    qtype = file_type(form)
+    blocks = random_blocks(qtype, n, k, seed=1, scale=2.0**-10)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(-3, 4, (5, k), generator=gen).float()
+    x[:, ::32] = 127.0  # every block's max: the activation scale is exactly 1
+    got = gguf_ops.mm(x, *operands(form, blocks, variant), variant)
+    want = x.double() @ gguf_reference(blocks, qtype).T
+    assert torch.equal(got.double(), want)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("form", FORMS)
+def test_variant_within_rounding_bound_of_gguf_dequantize(form: str, variant: str) -> None:
+    """Rounding an activation block to int8 moves each value by at most amax / 254 (half a step
+    of amax / 127), so |error| <= sum over blocks of amax_b / 254 * sum_b |w|; float32 sums add
+    at most 1e-5 of sum |x||w|."""
+    k, n, m = 512, 40, 6
+    qtype = file_type(form)
+    values = gguf.GGML_QUANT_SIZES[qtype][0] if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 32
+    blocks = random_blocks(qtype, n, k, seed=2)
+    w = gguf_reference(blocks, qtype)  # [N, K]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).double()
+    amax = x.abs().view(m, -1, values).amax(-1)  # [M, K / values]
+    w_abs = w.abs().view(n, -1, values).sum(-1)  # [N, K / values]
+    bound = (amax / 254) @ w_abs.T + 1e-5 * (x.abs() @ w.abs().T)
+    got = gguf_ops.mm(x.float(), *operands(form, blocks, variant), variant).double()
+    err = (got - x @ w.T).abs()
+    assert (err <= bound).all(), f"worst error {err.max():.3g} against bound {bound.min():.3g}"
+    assert err.max() > 0  # the activations were rounded: the bound is not vacuous
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("form", FORMS)
+def test_variant_close_to_scalar_reference(form: str, variant: str) -> None:
+    """Same integer products, float accumulation in another order: within 1e-5 of sum |x||w|."""
+    k, n, m = 768, 33, 9
+    qtype = file_type(form)
+    blocks = random_blocks(qtype, n, k, seed=3)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
+    got = gguf_ops.mm(x, *operands(form, blocks, variant), variant)
+    ref = gguf_ops.mm(x, blocks, int(qtype), "scalar")
+    scale = x.abs() @ gguf_ops.dequantize(blocks, int(qtype)).abs().T
+    assert ((got - ref).abs() <= 1e-5 * scale).all()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_dequantize_equals_gguf(form: str) -> None:
+    qtype = file_type(form)
+    blocks = random_blocks(qtype, 7, 512, seed=4)
+    ours = gguf_ops.dequantize(*operands(form, blocks, "avx512vnni")).double()
+    assert torch.equal(ours, gguf_reference(blocks, qtype))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q8_0", "Q4_K_X"])
+def test_a_row_is_the_same_alone_or_in_any_batch(form: str, variant: str) -> None:
+    k, n = 512, 37
+    blocks, qtype = operands(form, random_blocks(file_type(form), n, k, seed=5), variant)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([gguf_ops.mm(x[i : i + 1], blocks, qtype, variant) for i in range(16)])
+    for m in range(1, 17):
+        batch = gguf_ops.mm(x[16 - m :], blocks, qtype, variant)
+        assert torch.equal(batch, alone[16 - m :]), f"rows {16 - m}.. in a batch of {m}"
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0], ids=lambda t: t.name)
+def test_one_and_two_threads_agree(qtype: T) -> None:
+    blocks = random_blocks(qtype, 300, 512, seed=6)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(6))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gguf_ops.mm(x, blocks, int(qtype))
+        torch.set_num_threads(2)
+        two = gguf_ops.mm(x, blocks, int(qtype))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_odd_shapes_are_rejected_with_a_reason() -> None:
+    blocks = random_blocks(T.Q4_K, 4, 512)
+    with pytest.raises(RuntimeError, match="not a multiple of the Q4_K block"):
+        gguf_ops.mm(torch.randn(2, 500), blocks, int(T.Q4_K))
+    with pytest.raises(RuntimeError, match="weight rows hold 512 values"):
+        gguf_ops.mm(torch.randn(2, 768), blocks, int(T.Q4_K))
+    with pytest.raises(RuntimeError, match="not supported"):
+        gguf_ops.mm(torch.randn(2, 512), blocks, int(T.Q2_K))
+    with pytest.raises(RuntimeError, match="float32"):
+        gguf_ops.mm(torch.randn(2, 512, dtype=torch.float64), blocks, int(T.Q4_K))
+    assert not gguf_ops.supports(int(T.Q4_K), 500) and gguf_ops.supports(int(T.Q4_K), 512)
+
+
+def test_traced_by_fake_tensors() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = gguf_ops.mm(torch.empty(3, 512), torch.empty(10, 288, dtype=torch.uint8), int(T.Q4_K))
+        dense = gguf_ops.dequantize(torch.empty(10, 288, dtype=torch.uint8), int(T.Q4_K))
+    assert out.shape == (3, 10) and dense.shape == (10, 512)
+
+
+def _bundled_target() -> Path | None:
+    path = Path.home() / ".cache" / "specserve" / "models" / "qwen2.5-coder-1.5b-instruct.gguf"
+    return path if path.exists() else None
+
+
+@pytest.mark.skipif(_bundled_target() is None, reason="the bundled target is not cached here")
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "output.weight"])
+def test_a_real_tensor_against_gguf(name: str) -> None:
+    """Q4_K (attn_q) and Q6_K (the head) rows read from the bundled file."""
+    from engine.model.quant.gguf_file import read_gguf
+
+    path = _bundled_target()
+    assert path is not None
+    tensor = next(t for t in read_gguf(path)[1] if t.name == name)
+    blocks = torch.from_numpy(np.array(tensor.data[:64]))
+    w = gguf_reference(blocks, tensor.tensor_type)
+    assert torch.equal(gguf_ops.dequantize(blocks, int(tensor.tensor_type)).double(), w)
+    x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(7)).double()
+    got = gguf_ops.mm(x.float(), blocks, int(tensor.tensor_type)).double()
+    want = x @ w.T
+    assert ((got - want).norm() / want.norm()).item() < 1e-2  # int8 activations: ~0.5% here

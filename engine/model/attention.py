@@ -13,6 +13,9 @@ one-token queries. On a CPU without native bf16 dot products (AVX2) those matmul
 float32, 5-10x faster there than bf16 (16 decodes at 300 tokens of context: a 1.5B step
 1131 -> 630 ms). The pool is head-major, `[kv_heads, num_blocks, block_size, head_dim]` per
 layer for K and for V, so one gather gives contiguous `[kv_heads, batch, len, head_dim]` keys.
+
+On the CPU, short groups skip the gather: the native kernel (engine.model.native_attention)
+reads K and V in place through the block tables, when the kernel library is loaded.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import random
 import re
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any

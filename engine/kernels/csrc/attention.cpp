@@ -122,56 +122,49 @@ __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mul_ps(~tiny, p, _mm512_castsi512_ps(bits));
 }
 
-__attribute__((target("avx512f"))) inline float dot512(const float* a, const float* b,
-                                                       int64_t dim) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 32 <= dim; d += 32) {
-    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s0);
-    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), s1);
-  }
-  for (; d < dim; d += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s0);
-  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-}
-
-// dim is a multiple of 16 and at most 256 (checked by the caller).
+// C = head_dim / 16 chunks of 16 lanes, a compile-time constant so that a query row and an
+// output row live in registers: the V accumulation runs C independent FMA chains per key
+// (one chain per row would wait on FMA latency at every key).
+template <int C>
 __attribute__((target("avx512f"))) void block_avx512(const BlockArgs& a, RowState st) {
-  const int64_t chunks = a.dim / 16;
+  constexpr int64_t dim = 16 * C;
   for (int64_t r = 0; r < a.rows; ++r) {
     const int64_t n = a.visible[r];
     if (n == 0) continue;
-    const float* q = a.q + r * a.dim;
+    __m512 q[C];
+    for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(a.q + r * dim + c * 16);
     float mx = kNegInf;
     for (int64_t t = 0; t < n; ++t) {
-      a.scores[t] = score_of(dot512(q, a.k + t * a.dim, a.dim), a);
+      const float* k = a.k + t * dim;
+      __m512 s0 = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+      __m512 s1 = _mm512_setzero_ps();
+      for (int c = 1; c < C; ++c) {
+        if (c & 1) s1 = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + c * 16), s1);
+        else s0 = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + c * 16), s0);
+      }
+      a.scores[t] = score_of(_mm512_reduce_add_ps(_mm512_add_ps(s0, s1)), a);
       mx = std::max(mx, a.scores[t]);
     }
     const float m_new = std::max(st.m[r], mx);
     const float alpha = std::exp(st.m[r] - m_new);
     float sum = 0.f;
-    int64_t t = 0;
-    for (; t + 16 <= n; t += 16) {
-      const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(a.scores + t), _mm512_set1_ps(m_new)));
-      _mm512_storeu_ps(a.scores + t, p);
-      sum += _mm512_reduce_add_ps(p);
-    }
-    if (t < n) {
-      const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
-      const __m512 s = _mm512_maskz_loadu_ps(tail, a.scores + t);
-      const __m512 p = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-      _mm512_mask_storeu_ps(a.scores + t, tail, p);
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 live = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+      const __m512 s = _mm512_maskz_loadu_ps(live, a.scores + t);
+      const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+      _mm512_mask_storeu_ps(a.scores + t, live, p);
       sum += _mm512_reduce_add_ps(p);
     }
     st.l[r] = st.l[r] * alpha + sum;
     st.m[r] = m_new;
-    float* acc = st.acc + r * a.dim;
-    const __m512 va = _mm512_set1_ps(alpha);
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), va);
-      for (int64_t u = 0; u < n; ++u)
-        o = _mm512_fmadd_ps(_mm512_set1_ps(a.scores[u]), _mm512_loadu_ps(a.v + u * a.dim + c * 16), o);
-      _mm512_storeu_ps(acc + c * 16, o);
+    float* acc = st.acc + r * dim;
+    __m512 o[C];
+    for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), _mm512_set1_ps(alpha));
+    for (int64_t u = 0; u < n; ++u) {
+      const __m512 p = _mm512_set1_ps(a.scores[u]);
+      for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(a.v + u * dim + c * 16), o[c]);
     }
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + c * 16, o[c]);
   }
 }
 
@@ -199,8 +192,22 @@ bool has_avx512() {
 
 enum class Isa { kAuto, kScalar, kAvx512 };
 
+// The AVX512 block kernels by head_dim / 16; null where none is compiled.
+BlockFn avx512_for(int64_t dim) {
+  switch (dim) {
+    case 16: return block_avx512<1>;
+    case 32: return block_avx512<2>;
+    case 64: return block_avx512<4>;
+    case 80: return block_avx512<5>;
+    case 96: return block_avx512<6>;
+    case 128: return block_avx512<8>;
+    case 256: return block_avx512<16>;
+    default: return nullptr;
+  }
+}
+
 Isa pick(const std::string& isa, int64_t dim) {
-  const bool simd_ok = has_avx512() && dim % 16 == 0 && dim <= 256;
+  const bool simd_ok = has_avx512() && avx512_for(dim) != nullptr;
   if (isa == "scalar") return Isa::kScalar;
   if (isa == "avx512") {
     TORCH_CHECK(simd_ok, "paged_attention: avx512 unavailable (CPU or head_dim ", dim, ")");
@@ -271,7 +278,7 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  const BlockFn block = isa == Isa::kAvx512 ? block_avx512 : block_scalar;
+  const BlockFn block = isa == Isa::kAvx512 ? avx512_for(dim) : block_scalar;
   const bool round = std::is_same_v<T, c10::BFloat16>;
   at::parallel_for(0, static_cast<int64_t>(p.items.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf, kf(block_size * dim), vf(block_size * dim), scores(block_size);

@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", default="/tmp/specserve-server-gap.log", help="the server's log")
     args = ap.parse_args(argv)
     alone, prompt = engine_alone(args)
+    print(f"engine alone: {_fmt(alone)} tok/s; now through the server", file=sys.stderr)
     gc.collect()  # the engine alone is gone before the server loads its own copy
     served = through_server(args, prompt)
     ratio = statistics.median(served) / statistics.median(alone)

@@ -15,9 +15,17 @@ from engine.model import attention, native_attention
 from engine.model.attention import AttentionMetadata, RequestSpan
 
 pytestmark = pytest.mark.skipif(
-    not native_attention.available(), reason="native kernels not built on this host"
+    not native_attention.loaded(), reason="native kernels not built on this host"
 )
-ISAS = ["scalar", "avx512"] if torch.ops.specserve_kernels.cpu_supports("avx512f") else ["scalar"]
+engine_path = pytest.mark.skipif(
+    not native_attention.available(), reason="the engine uses the kernel only with AVX512"
+)
+_VARIANTS = (("avx2", "avx2"), ("avx512", "avx512f"))  # (isa argument, CPU flag)
+ISAS = ["scalar"] + [
+    isa
+    for isa, flag in _VARIANTS
+    if native_attention.loaded() and torch.ops.specserve_kernels.cpu_supports(flag)
+]
 
 
 def _pool(kv_heads: int, blocks: int, block_size: int, dim: int, dtype: torch.dtype, seed: int):
@@ -64,18 +72,14 @@ def _both(q, k_cache, v_cache, spans, block_size, **kernel_kw):  # type: ignore[
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("ratio", [1, 2, 6, 7])
-@pytest.mark.parametrize("min_split_tokens", [8, 256])
-def test_kernel_matches_gathered_attention_float32(
-    isa: str, ratio: int, min_split_tokens: int
-) -> None:
+@pytest.mark.parametrize("split_tokens", [8, 256])
+def test_kernel_matches_gathered_attention_float32(isa: str, ratio: int, split_tokens: int) -> None:
     block_size, kv_heads, dim = 4, 2, 32
     k_cache, v_cache = _pool(kv_heads, 400, block_size, dim, torch.float32, seed=ratio)
     spans = _spans(6, block_size, 400, max_ctx=150, seed=ratio + 10)
     tokens = sum(s.num_tokens for s in spans)
     q = torch.randn(tokens, kv_heads * ratio, dim)
-    out, ref = _both(
-        q, k_cache, v_cache, spans, block_size, isa=isa, min_split_tokens=min_split_tokens
-    )
+    out, ref = _both(q, k_cache, v_cache, spans, block_size, isa=isa, split_tokens=split_tokens)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -88,7 +92,7 @@ def test_one_long_request_split_over_ranges(isa: str) -> None:
         table = list(range(299, 299 - (-(-context // block_size)), -1))
         spans = [RequestSpan(context - num_tokens, num_tokens, table)]
         q = torch.randn(num_tokens, 12, dim)
-        out, ref = _both(q, k_cache, v_cache, spans, block_size, isa=isa, min_split_tokens=64)
+        out, ref = _both(q, k_cache, v_cache, spans, block_size, isa=isa, split_tokens=64)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -100,8 +104,31 @@ def test_kernel_bfloat16_close_to_gathered(isa: str) -> None:
     k_cache, v_cache = _pool(2, 200, block_size, dim, torch.bfloat16, seed=5)
     spans = _spans(5, block_size, 200, max_ctx=300, seed=6)
     q = torch.randn(sum(s.num_tokens for s in spans), 12, dim).to(torch.bfloat16)
-    out, ref = _both(q, k_cache, v_cache, spans, block_size, isa=isa, min_split_tokens=32)
+    out, ref = _both(q, k_cache, v_cache, spans, block_size, isa=isa, split_tokens=32)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_request_is_computed_the_same_in_any_batch(isa: str) -> None:
+    """Bitwise: a request alone equals itself in a batch, and each row of a verify query equals
+    the one-token decode of that position (the ranges depend on the request alone)."""
+    block_size, dim = 4, 32
+    k_cache, v_cache = _pool(2, 300, block_size, dim, torch.float32, seed=8)
+    spans = _spans(5, block_size, 300, max_ctx=120, seed=9)
+    tokens = sum(s.num_tokens for s in spans)
+    q = torch.randn(tokens, 12, dim)
+    batched, _ = _both(q, k_cache, v_cache, spans, block_size, isa=isa, split_tokens=8)
+    offset = 0
+    for span in spans:
+        rows = slice(offset, offset + span.num_tokens)
+        alone, _ = _both(q[rows], k_cache, v_cache, [span], block_size, isa=isa, split_tokens=8)
+        assert torch.equal(alone, batched[rows])
+        for j in range(span.num_tokens):
+            decode = RequestSpan(span.start_pos + j, 1, span.block_table)
+            one, _ = _both(q[offset + j : offset + j + 1], k_cache, v_cache, [decode], block_size,
+                           isa=isa, split_tokens=8)  # fmt: skip
+            assert torch.equal(one[0], batched[offset + j])
+        offset += span.num_tokens
 
 
 def test_kernel_rejects_what_it_cannot_read() -> None:
@@ -141,6 +168,7 @@ def native_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield calls
 
 
+@engine_path
 def test_engine_greedy_unchanged_on_the_kernel(
     tiny_model_dir: Path, native_calls: list[int]
 ) -> None:
@@ -153,6 +181,7 @@ def test_engine_greedy_unchanged_on_the_kernel(
     assert native_calls
 
 
+@engine_path
 def test_speculative_greedy_equals_plain_on_the_kernel(
     tiny_model_dir: Path, native_calls: list[int]
 ) -> None:
@@ -165,6 +194,7 @@ def test_speculative_greedy_equals_plain_on_the_kernel(
     assert max(native_calls) > len(prompts)  # verify queries of several tokens went through it
 
 
+@engine_path
 def test_preemption_and_prefix_cache_on_the_kernel(
     tiny_model_dir: Path, native_calls: list[int]
 ) -> None:
@@ -185,3 +215,19 @@ def test_preemption_and_prefix_cache_on_the_kernel(
         hf_greedy(tiny_model_dir, p, 16) for p in prompts
     ]
     assert native_calls
+
+
+def test_switched_off_the_engine_keeps_the_gathered_path(
+    tiny_model_dir: Path, native_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECSERVE_NATIVE_ATTENTION", "0")
+    native_attention.available.cache_clear()
+    try:
+        vocab = hf_model(tiny_model_dir).config.vocab_size
+        prompts = random_prompts(3, (2, 30), vocab, seed=24)
+        got = outputs(make_engine(tiny_model_dir), prompts, greedy(6))
+        assert got == [hf_greedy(tiny_model_dir, p, 6) for p in prompts]
+        assert not native_calls
+    finally:
+        monkeypatch.undo()
+        native_attention.available.cache_clear()

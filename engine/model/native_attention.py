@@ -16,6 +16,9 @@ from functools import cache
 import torch
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# head_dims the SIMD kernels are compiled for (attention.cpp `avx512_for`, `avx2_for`); elsewhere,
+# and on a CPU without AVX2, only the scalar reference would run: the gathered path is faster.
+_SIMD_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
 
 def enabled() -> bool:
@@ -23,13 +26,19 @@ def enabled() -> bool:
 
 
 @cache
-def available() -> bool:
-    """The library is built and loaded and registers `paged_attention` (probed once)."""
-    if not enabled():
-        return False
+def loaded() -> bool:
+    """The native library is built and loaded and registers `paged_attention` (probed once)."""
     from engine.kernels import build
 
     return build.load() and hasattr(torch.ops.specserve_kernels, "paged_attention")
+
+
+@cache
+def available() -> bool:
+    """The engine uses the kernel: enabled, loaded, and the CPU runs a SIMD variant of it."""
+    if not (enabled() and loaded()):
+        return False
+    return any(torch.ops.specserve_kernels.cpu_supports(isa) for isa in ("avx512f", "avx2"))
 
 
 def usable(q: torch.Tensor) -> bool:
@@ -37,6 +46,7 @@ def usable(q: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu"
         and q.dtype in _DTYPES
+        and q.shape[-1] in _SIMD_HEAD_DIMS
         and not torch.compiler.is_compiling()
         and available()
     )
@@ -50,10 +60,10 @@ def paged_attention(
     start_pos: torch.Tensor,  # [batch] int64: tokens cached before this pass
     query_lens: torch.Tensor,  # [batch] int64: new tokens, summing to `tokens`
     scale: float,
-    isa: str = "auto",  # "scalar" or "avx512" to pin a variant (tests)
-    min_split_tokens: int = 256,  # a request's context is split into ranges no shorter
+    isa: str = "auto",  # "scalar", "avx2" or "avx512" to pin a variant (tests)
+    split_tokens: int = 256,  # a request's context is split into ranges of this many tokens
 ) -> torch.Tensor:  # [tokens, heads, head_dim]
     return torch.ops.specserve_kernels.paged_attention(
         q.contiguous(), k_cache, v_cache, block_tables, start_pos, query_lens, scale, isa,
-        min_split_tokens,
+        split_tokens,
     )  # fmt: skip

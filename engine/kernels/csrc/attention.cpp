@@ -11,17 +11,18 @@
 // Work: one item per (request, KV head, range of blocks). An item takes the group's query heads
 // of that KV head (GQA: every key is loaded once for all of them) times the request's queries
 // as rows, walks its blocks with an online softmax in float32 (running max m, sum l, output
-// accumulator acc per row), and leaves (m, l, acc) behind. A long context is split into several
-// ranges so that both cores work even for one request; a second pass merges the ranges of each
-// row by log-sum-exp: M = max m_s, out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+// accumulator acc per row), and leaves (m, l, acc) behind. A context is split into ranges of
+// split_tokens, so that both cores work even for one request at a long context; a second pass
+// merges the ranges of each row by log-sum-exp: M = max m_s,
+// out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
 //
 // Numerics follow engine/model/attention.py's eager path: a score is the dot product rounded to
 // the cache dtype, then scaled; the softmax runs in float32. Unlike that path the
 // probabilities are not rounded to bfloat16 before multiplying V (they cannot be: the online
 // softmax never holds them normalized); the output is rounded once, at the end.
 //
-// ISA: an AVX512 block kernel and the portable scalar one it is tested against, chosen at run
-// time; the library itself is built for baseline x86-64.
+// ISA: AVX512 and AVX2 block kernels and the portable scalar one they are tested against, chosen
+// at run time; the library itself is built for baseline x86-64.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on its own intrinsics headers
 
 #include <ATen/Parallel.h>
@@ -178,6 +179,93 @@ __attribute__((target("avx512f"))) void bf16_to_f32_avx512(const c10::BFloat16* 
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// ---------------------------------------------------------------------------- AVX2
+
+// exp512's method on 8 lanes.
+__attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+__attribute__((target("avx2,fma"))) inline float sum256(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// block_avx512 on 8 lanes: C = head_dim / 8.
+template <int C>
+__attribute__((target("avx2,fma"))) void block_avx2(const BlockArgs& a, RowState st) {
+  constexpr int64_t dim = 8 * C;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const int64_t n = a.visible[r];
+    if (n == 0) continue;
+    const float* q = a.q + r * dim;
+    float mx = kNegInf;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* k = a.k + t * dim;
+      __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+      __m256 s1 = _mm256_setzero_ps();
+      for (int c = 1; c < C; ++c) {
+        const __m256 prod_q = _mm256_loadu_ps(q + c * 8), kk = _mm256_loadu_ps(k + c * 8);
+        if (c & 1) s1 = _mm256_fmadd_ps(prod_q, kk, s1);
+        else s0 = _mm256_fmadd_ps(prod_q, kk, s0);
+      }
+      a.scores[t] = score_of(sum256(_mm256_add_ps(s0, s1)), a);
+      mx = std::max(mx, a.scores[t]);
+    }
+    const float m_new = std::max(st.m[r], mx);
+    const float alpha = std::exp(st.m[r] - m_new);
+    float sum = 0.f;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(a.scores + t), _mm256_set1_ps(m_new)));
+      _mm256_storeu_ps(a.scores + t, p);
+      sum += sum256(p);
+    }
+    for (; t < n; ++t) {
+      a.scores[t] = std::exp(a.scores[t] - m_new);
+      sum += a.scores[t];
+    }
+    st.l[r] = st.l[r] * alpha + sum;
+    st.m[r] = m_new;
+    float* acc = st.acc + r * dim;
+    __m256 o[C];
+    for (int c = 0; c < C; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + c * 8), _mm256_set1_ps(alpha));
+    for (int64_t u = 0; u < n; ++u) {
+      const __m256 p = _mm256_set1_ps(a.scores[u]);
+      for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(a.v + u * dim + c * 8), o[c]);
+    }
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + c * 8, o[c]);
+  }
+}
+
+__attribute__((target("avx2,fma"))) void bf16_to_f32_avx2(const c10::BFloat16* src, float* dst,
+                                                          int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 // ---------------------------------------------------------------------------- dispatch
 
 using BlockFn = void (*)(const BlockArgs&, RowState);
@@ -190,7 +278,29 @@ bool has_avx512() {
   return yes;
 }
 
-enum class Isa { kAuto, kScalar, kAvx512 };
+bool has_avx2() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+}
+
+enum class Isa { kAuto, kScalar, kAvx2, kAvx512 };
+
+// The AVX2 block kernels by head_dim / 8; null where none is compiled.
+BlockFn avx2_for(int64_t dim) {
+  switch (dim) {
+    case 16: return block_avx2<2>;
+    case 32: return block_avx2<4>;
+    case 64: return block_avx2<8>;
+    case 80: return block_avx2<10>;
+    case 96: return block_avx2<12>;
+    case 128: return block_avx2<16>;
+    case 256: return block_avx2<32>;
+    default: return nullptr;
+  }
+}
 
 // The AVX512 block kernels by head_dim / 16; null where none is compiled.
 BlockFn avx512_for(int64_t dim) {
@@ -207,20 +317,26 @@ BlockFn avx512_for(int64_t dim) {
 }
 
 Isa pick(const std::string& isa, int64_t dim) {
-  const bool simd_ok = has_avx512() && avx512_for(dim) != nullptr;
+  const bool avx512_ok = has_avx512() && avx512_for(dim) != nullptr;
+  const bool avx2_ok = has_avx2() && avx2_for(dim) != nullptr;
   if (isa == "scalar") return Isa::kScalar;
   if (isa == "avx512") {
-    TORCH_CHECK(simd_ok, "paged_attention: avx512 unavailable (CPU or head_dim ", dim, ")");
+    TORCH_CHECK(avx512_ok, "paged_attention: avx512 unavailable (CPU or head_dim ", dim, ")");
     return Isa::kAvx512;
   }
-  TORCH_CHECK(isa == "auto", "paged_attention: isa must be auto, scalar or avx512");
-  return simd_ok ? Isa::kAvx512 : Isa::kScalar;
+  if (isa == "avx2") {
+    TORCH_CHECK(avx2_ok, "paged_attention: avx2 unavailable (CPU or head_dim ", dim, ")");
+    return Isa::kAvx2;
+  }
+  TORCH_CHECK(isa == "auto", "paged_attention: isa must be auto, scalar, avx2 or avx512");
+  return avx512_ok ? Isa::kAvx512 : avx2_ok ? Isa::kAvx2 : Isa::kScalar;
 }
 
 template <typename T>
 void to_f32(const T* src, float* dst, int64_t n, Isa isa) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (isa == Isa::kAvx512) return bf16_to_f32_avx512(src, dst, n);
+    if (isa == Isa::kAvx2) return bf16_to_f32_avx2(src, dst, n);
   }
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -237,21 +353,22 @@ struct Batch {
   int64_t total_rows = 0;
 };
 
-// Ranges per (request, KV head): enough items for ~4 per thread, none under min_split_tokens.
+// Ranges per (request, KV head) of split_tokens each (the last one shorter). The split depends
+// on the request's own context only, never on the batch or the thread count, so a request's
+// output does not change with what it is batched with (and a tensor-parallel rank, holding
+// some KV heads, computes each head as the whole model would).
 Batch plan(const at::Tensor& start, const at::Tensor& qlen, int64_t kv_heads, int64_t group,
-           int64_t block_size, int64_t max_blocks, int64_t min_split_tokens) {
+           int64_t block_size, int64_t max_blocks, int64_t split_tokens) {
   Batch p;
   const int64_t batch = start.size(0);
   const auto* s = start.data_ptr<int64_t>();
   const auto* q = qlen.data_ptr<int64_t>();
-  const int64_t target = 4 * at::get_num_threads();
-  const int64_t min_blocks = std::max<int64_t>(1, min_split_tokens / block_size);
+  const int64_t split_blocks = std::max<int64_t>(1, split_tokens / block_size);
   int64_t offset = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t blocks = (s[b] + q[b] + block_size - 1) / block_size;
     TORCH_CHECK(q[b] >= 1 && blocks <= max_blocks, "paged_attention: bad request ", b);
-    const int64_t want = (target + batch * kv_heads - 1) / (batch * kv_heads);
-    const int64_t splits = std::clamp<int64_t>(want, 1, std::max<int64_t>(1, blocks / min_blocks));
+    const int64_t splits = (blocks + split_blocks - 1) / split_blocks;
     p.start.push_back(s[b]);
     p.qlen.push_back(q[b]);
     p.qoffset.push_back(offset);
@@ -259,7 +376,8 @@ Batch plan(const at::Tensor& start, const at::Tensor& qlen, int64_t kv_heads, in
     offset += q[b];
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t i = 0; i < splits; ++i) {
-        p.items.push_back({b, h, blocks * i / splits, blocks * (i + 1) / splits, p.total_rows});
+        p.items.push_back({b, h, i * split_blocks, std::min(blocks, (i + 1) * split_blocks),
+                          p.total_rows});
         p.total_rows += group * q[b];
       }
   }
@@ -278,7 +396,9 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  const BlockFn block = isa == Isa::kAvx512 ? avx512_for(dim) : block_scalar;
+  const BlockFn block = isa == Isa::kAvx512 ? avx512_for(dim)
+                       : isa == Isa::kAvx2  ? avx2_for(dim)
+                                            : block_scalar;
   const bool round = std::is_same_v<T, c10::BFloat16>;
   at::parallel_for(0, static_cast<int64_t>(p.items.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf, kf(block_size * dim), vf(block_size * dim), scores(block_size);
@@ -364,7 +484,7 @@ void merge(const Batch& p, int64_t heads, int64_t kv_heads, int64_t dim, const f
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& start_pos, const at::Tensor& query_lens,
-                           double scale, const std::string& isa_name, int64_t min_split_tokens) {
+                           double scale, const std::string& isa_name, int64_t split_tokens) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q [tokens, heads, dim], caches [kv_heads, blocks, block, dim]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -381,7 +501,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "paged_attention: one block table, start and length per request");
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0);
   const Batch p = plan(start, qlen, kv_heads, heads / kv_heads, k_cache.size(2),
-                       block_tables.size(1), min_split_tokens);
+                       block_tables.size(1), split_tokens);
   TORCH_CHECK(p.qoffset.empty() || p.qoffset.back() + p.qlen.back() == q.size(0),
               "paged_attention: query lengths must sum to q's tokens");
   const Isa isa = pick(isa_name, dim);
@@ -407,6 +527,6 @@ TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor start_pos, Tensor query_lens, float scale, str isa='auto', "
-      "int min_split_tokens=256) -> Tensor",
+      "int split_tokens=256) -> Tensor",
       &specserve::paged_attention);
 }

@@ -55,7 +55,7 @@ def start_decoding(engine: LLMEngine, batch: int, context: int, steps: int) -> N
     rng = random.Random(0)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for b in range(batch):
-        prompt = [rng.randrange(100, 20000) for _ in range(context)]
+        prompt = [rng.randrange(3, min(20000, engine.target.vocab_size)) for _ in range(context)]
         engine.add_request(f"profile-{b}", prompt, params)
     while engine.scheduler.waiting or any(
         s.num_uncomputed_tokens > 1 for s in engine.scheduler.running

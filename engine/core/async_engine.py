@@ -1,7 +1,9 @@
-"""AsyncLLM: runs LLMEngine's step loop on a background thread and streams each request's outputs.
+"""AsyncLLM: runs LLMEngine's step loop on the engine thread and streams each request's outputs.
 
-The step loop owns the engine; the event loop only enqueues commands (add, abort) and receives
-RequestOutputs through per-request asyncio queues, so a long forward pass never blocks the API.
+The engine thread (engine.core.engine_thread) builds the engine and then runs its step loop, so
+every torch op of the process runs on that one thread; the event loop only enqueues commands
+(add, abort) and receives RequestOutputs through per-request asyncio queues, so a long forward
+pass never blocks the API.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.core.engine_thread import EngineThread
 from engine.core.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, StepStats
 from engine.sample.sampling_params import SamplingParams
@@ -39,7 +42,12 @@ class _Abort:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str | None = None,
+        thread: EngineThread[LLMEngine] | None = None,  # the thread that built `engine`
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -49,21 +57,27 @@ class AsyncLLM:
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._listeners: list[Callable[[StepStats], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        # An engine built elsewhere (tests) gets a thread of its own that only steps it.
+        self._thread = thread or EngineThread(lambda: engine)
+        self._started = False
         self._stopping = False
         self._accepting = True
         self.error: BaseException | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, model_name: str | None = None) -> AsyncLLM:
-        return cls(LLMEngine(config), model_name)
+        """Build the engine on a new engine thread (blocking until it is loaded)."""
+        thread = EngineThread(lambda: LLMEngine(config))
+        return cls(thread.start_and_build(), model_name, thread)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
-        self._thread.start()
+        if not self._thread.is_alive():
+            self._thread.start_and_build()
+        self._thread.run_loop(self._run)
+        self._started = True
 
     async def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop admission, let running requests finish for up to grace_s, abort the rest, stop."""
@@ -76,12 +90,13 @@ class AsyncLLM:
         await asyncio.sleep(0)
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
+        self._thread.cancel()
+        if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 10)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return self._started and self._thread.is_alive() and self.error is None
 
     @property
     def num_running(self) -> int:

@@ -13,6 +13,9 @@ one-token queries. On a CPU without native bf16 dot products (AVX2) those matmul
 float32, 5-10x faster there than bf16 (16 decodes at 300 tokens of context: a 1.5B step
 1131 -> 630 ms). The pool is head-major, `[kv_heads, num_blocks, block_size, head_dim]` per
 layer for K and for V, so one gather gives contiguous `[kv_heads, batch, len, head_dim]` keys.
+
+On the CPU, short groups skip the gather: the native kernel (engine.model.native_attention)
+reads K and V in place through the block tables, when the kernel library is loaded.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.model import native_attention
 
 # Queries up to this many tokens (decodes, speculative verify queries) are batched together.
 SHORT_QUERY_MAX = 16
@@ -53,6 +58,9 @@ class AttentionGroup:
     # Short groups: an additive float32 bias [batch, 1, max_query_len, kv_len].
     mask: torch.Tensor | None
     query_index: torch.Tensor | None  # [group_tokens] int64 rows of the padded query; None = dense
+    # Short groups, for the native kernel (engine.model.native_attention): [batch] int64 each.
+    start_pos: torch.Tensor | None = None  # tokens cached before this pass
+    query_lens: torch.Tensor | None = None  # new tokens
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,13 @@ def _build_group(
         block_tables=tables.to(device, non_blocking=True),
         mask=None if mask is None else mask.to(device, non_blocking=True),
         query_index=_query_index(run, max_q, device, always=uniform and short),
+        start_pos=_lengths([span.start_pos for span in run], device) if short else None,
+        query_lens=_lengths([span.num_tokens for span in run], device) if short else None,
     )
+
+
+def _lengths(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _mask(run: list[RequestSpan], max_q: int, kv_len: int, always: bool) -> torch.Tensor | None:
@@ -203,6 +217,8 @@ def _group_attention(
     group: AttentionGroup,
     scale: float,
 ) -> torch.Tensor:  # [group_tokens, num_heads * head_dim]
+    if group.start_pos is not None and native_attention.usable(q):
+        return _native_attention(q, k_cache, v_cache, group, scale)
     qg = _pad_queries(q[group.token_start : group.token_end], group)  # [B, Q, heads, dim]
     keys = _gather(k_cache, group.block_tables)  # [kv_heads, B, L, dim]
     values = _gather(v_cache, group.block_tables)
@@ -212,6 +228,22 @@ def _group_attention(
         out = _sdpa(qg, keys, values, group.mask, scale)
     out = out.reshape(-1, q.shape[1] * q.shape[2])
     return out if group.query_index is None else out[group.query_index]
+
+
+def _native_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:  # [group_tokens, num_heads * head_dim]
+    """Short queries on the CPU: the native kernel reads the pool in place (no gathered copy)."""
+    assert group.start_pos is not None and group.query_lens is not None
+    out = native_attention.paged_attention(
+        q[group.token_start : group.token_end], k_cache, v_cache, group.block_tables,
+        group.start_pos, group.query_lens, scale,
+    )  # fmt: skip
+    return out.view(out.shape[0], -1)
 
 
 def _sdpa(

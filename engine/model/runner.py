@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.model import native_attention
 from engine.model.attention import AttentionMetadata, RequestSpan
 from engine.model.decode_graph import DecodeGraph
 from engine.model.decoder import DecoderModel, KVCache
@@ -58,6 +59,8 @@ class ModelRunner:
         self.weights: WeightSummary = summarize(self.model)
         self.decode_graph = DecodeGraph(self.model) if compile_decode else None
         self.model.compiled_layers = self.decode_graph
+        if self.device.type == "cpu":
+            native_attention.available()  # build or load the kernels now, not in the first step
         log.info(
             "%s runs as %s (%s): %.2f GiB of weights",
             loaded.name,

@@ -1,0 +1,69 @@
+"""Short-query attention through the native paged kernel (engine/kernels/csrc/attention.cpp).
+
+Decodes and verify queries (up to SHORT_QUERY_MAX tokens a request) on the CPU read K and V in
+place from the pool through the block tables, instead of gathering every request's context into
+a padded copy per layer (engine.model.attention's `_gather`). Used when the native library loads
+and offers the op, for float32 and bfloat16 caches; `SPECSERVE_NATIVE_ATTENTION=0` turns it off,
+and everything else (prompt chunks, other devices, float16, compiled graphs) keeps the gathered
+path.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+_DTYPES = (torch.float32, torch.bfloat16)
+# head_dims the SIMD kernels are compiled for (attention.cpp `avx512_for`, `avx2_for`); elsewhere,
+# and on a CPU without AVX2, only the scalar reference would run: the gathered path is faster.
+_SIMD_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+
+
+def enabled() -> bool:
+    return os.environ.get("SPECSERVE_NATIVE_ATTENTION", "1") not in ("0", "false", "off")
+
+
+@cache
+def loaded() -> bool:
+    """The native library is built and loaded and registers `paged_attention` (probed once)."""
+    from engine.kernels import build
+
+    return build.load() and hasattr(torch.ops.specserve_kernels, "paged_attention")
+
+
+@cache
+def available() -> bool:
+    """The engine uses the kernel: enabled, loaded, and the CPU runs a SIMD variant of it."""
+    if not (enabled() and loaded()):
+        return False
+    return any(torch.ops.specserve_kernels.cpu_supports(isa) for isa in ("avx512f", "avx2"))
+
+
+def usable(q: torch.Tensor) -> bool:
+    # torch.compile cannot trace the op (no fake kernel): compiled graphs keep the gathered path
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and q.shape[-1] in _SIMD_HEAD_DIMS
+        and not torch.compiler.is_compiling()
+        and available()
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [tokens, heads, head_dim], requests' tokens contiguous
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
+    v_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
+    block_tables: torch.Tensor,  # [batch, max_blocks] int64
+    start_pos: torch.Tensor,  # [batch] int64: tokens cached before this pass
+    query_lens: torch.Tensor,  # [batch] int64: new tokens, summing to `tokens`
+    scale: float,
+    isa: str = "auto",  # "scalar", "avx2" or "avx512" to pin a variant (tests)
+    split_tokens: int = 256,  # a request's context is split into ranges of this many tokens
+) -> torch.Tensor:  # [tokens, heads, head_dim]
+    return torch.ops.specserve_kernels.paged_attention(
+        q.contiguous(), k_cache, v_cache, block_tables, start_pos, query_lens, scale, isa,
+        split_tokens,
+    )  # fmt: skip

@@ -1,0 +1,23 @@
+"""bench.step_profile on the tiny model: a step's time split by kind, attention among them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bench import step_profile
+
+
+def test_a_decode_step_splits_into_kinds_that_add_up(tiny_model_dir: Path) -> None:
+    args = argparse.Namespace(
+        model=str(tiny_model_dir), dtype="float32", quantization="none", threads=1,
+        batch=2, context=40, steps=2, kv_cache_gib=0.02,
+    )  # fmt: skip
+    engine = step_profile.engine_for(args)
+    step_profile.start_decoding(engine, args.batch, args.context, args.steps)
+    assert all(s.num_uncomputed_tokens == 1 for s in engine.scheduler.running)
+    wall, kinds = step_profile.profile_steps(engine, args.steps)
+    assert set(kinds) == {"GEMMs", "attention", "other ops", "host"}
+    assert kinds["GEMMs"] > 0 and kinds["attention"] > 0 and kinds["other ops"] > 0
+    assert abs(sum(kinds.values()) - wall) < 0.05 * wall or kinds["host"] == 0.0
+    assert step_profile.decoder.paged_attention is step_profile.attention.paged_attention

@@ -21,6 +21,13 @@ def is_cuda(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def host_syncs_free(device: torch.device | str) -> bool:
+    """Whether reading a tensor on the host costs nothing more than the read: on a CPU the work
+    is done when the op returns, so a loop may look at its results (and skip work by them); on a
+    GPU each look makes the host wait for the device's queue, so hot loops keep results there."""
+    return torch.device(device).type == "cpu"
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait until the device has finished the work queued on it (a no-op on a CPU)."""
     if is_cuda(device):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.model import device as devices
 from engine.outputs import TokenLogprob
 from engine.sample.sampling_params import SamplingParams
 
@@ -175,7 +176,9 @@ def apply_top_k_top_p(logits: Tensor, sampling: SamplingTensors) -> Tensor:  # [
     """Mask everything outside each row's top-k, then outside its top-p nucleus."""
     vocab_size = logits.shape[1]
     num_candidates = max(NUCLEUS_CANDIDATES, sampling.max_top_k)
-    if num_candidates < vocab_size:
+    # The candidates' shortcut asks the host whether they cover each nucleus: a sync, free only
+    # on a CPU (where it saves sorting the vocabulary); a GPU sorts it faster than it would wait.
+    if num_candidates < vocab_size and devices.host_syncs_free(logits.device):
         masked = _keep_top_k_top_p(logits, sampling.top_k, sampling.top_p, num_candidates)
         if masked is not None:
             return masked
@@ -236,6 +239,23 @@ def sample(
         noise = exponential_noise(rows.shape, [generators[i] for i in random_rows], rows.device)
         ids[random_rows] = race(rows, noise)
     return ids.tolist()
+
+
+def sample_on_device(
+    probs: Tensor,  # [N, V]
+    is_greedy: Sequence[bool],  # [N] from each row's parameters (on the host)
+    generators: Sequence[torch.Generator | None],  # per row; None: the default generator
+) -> Tensor:  # [N] long token ids, on probs' device
+    """`sample` without reading the probs on the host: rows greedy by their parameters take the
+    argmax, the others race (a row that is one-hot anyway still picks its one token)."""
+    ids = probs.argmax(dim=-1)  # [N]
+    random_rows = [i for i, greedy in enumerate(is_greedy) if not greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, device=probs.device)  # [R]
+        rows = probs.index_select(0, index)  # [R, V]
+        noise = exponential_noise(rows.shape, [generators[i] for i in random_rows], rows.device)
+        ids = ids.index_copy(0, index, race(rows, noise))
+    return ids
 
 
 def exponential_noise(

@@ -53,6 +53,9 @@ class AttentionGroup:
     # Short groups: an additive float32 bias [batch, 1, max_query_len, kv_len].
     mask: torch.Tensor | None
     query_index: torch.Tensor | None  # [group_tokens] int64 rows of the padded query; None = dense
+    # A prompt chunk with nothing cached before it: plain causal attention over its own tokens,
+    # SDPA's is_causal with no mask (a mask rules out the flash kernel on a GPU).
+    causal: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,8 @@ def _build_group(
         tables[b, :n] = torch.tensor(span.block_table[:n], dtype=torch.int64)
     num_tokens = sum(span.num_tokens for span in run)
     short = max_q <= SHORT_QUERY_MAX
-    mask = _mask(run, max_q, max_blocks * block_size, always=uniform and short)
+    causal = not short and len(run) == 1 and run[0].start_pos == 0
+    mask = None if causal else _mask(run, max_q, max_blocks * block_size, uniform and short)
     if short and mask is not None:
         mask = _bias(mask)
     return AttentionGroup(
@@ -139,6 +143,7 @@ def _build_group(
         block_tables=tables.to(device, non_blocking=True),
         mask=None if mask is None else mask.to(device, non_blocking=True),
         query_index=_query_index(run, max_q, device, always=uniform and short),
+        causal=causal,
     )
 
 
@@ -208,6 +213,9 @@ def _group_attention(
     values = _gather(v_cache, group.block_tables)
     if group.max_query_len <= SHORT_QUERY_MAX:
         out = _short_attention(qg, keys, values, group.mask, scale)
+    elif group.causal:  # the keys past the chunk's own are the last block's unwritten slots
+        n = group.max_query_len
+        out = _sdpa(qg, keys[:, :, :n], values[:, :, :n], None, scale, causal=True)
     else:
         out = _sdpa(qg, keys, values, group.mask, scale)
     out = out.reshape(-1, q.shape[1] * q.shape[2])
@@ -220,12 +228,14 @@ def _sdpa(
     values: torch.Tensor,
     mask: torch.Tensor | None,  # [B, 1, Q, L] bool
     scale: float,
+    causal: bool = False,  # Q == L, query i sees keys 0..i
 ) -> torch.Tensor:  # [B, Q, heads, dim]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         keys.transpose(0, 1),
         values.transpose(0, 1),
         attn_mask=mask,
+        is_causal=causal,
         scale=scale,
         enable_gqa=keys.shape[0] != q.shape[2],
     )  # [B, heads, Q, dim]

@@ -54,12 +54,14 @@ class Plan:
     dtype: torch.dtype
     scale: int  # matrix sides divided by this
     repeats: int
+    kernel_rows: tuple[int, ...]
+    step_rows: tuple[int, ...]
 
     @staticmethod
     def for_device(device: str) -> Plan:
         if devices.is_cuda(device):
-            return Plan(torch.device(device), torch.bfloat16, 1, 20)
-        return Plan(torch.device(device), torch.float32, 16, 2)
+            return Plan(torch.device(device), torch.bfloat16, 1, 20, KERNEL_ROWS, STEP_ROWS)
+        return Plan(torch.device(device), torch.float32, 16, 1, (1,), (1, 4))
 
 
 def log(msg: str) -> None:
@@ -142,7 +144,7 @@ def kernel_table(plan: Plan) -> str:
         n, k = n // plan.scale, k // plan.scale
         w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
         kernels = kernel_candidates(w, plan)
-        for m in KERNEL_ROWS if plan.scale == 1 else KERNEL_ROWS[:2]:
+        for m in plan.kernel_rows:
             x = torch.randn(m, k).to(plan.device, plan.dtype)
             cells = []
             for label in ("dense", "int4 g32", "int8 weight-only"):
@@ -179,28 +181,32 @@ def pair_configs(scale: int) -> dict[str, PretrainedConfig]:
             vocab_size=151936 // scale, hidden_size=hidden // scale if not small else 64,
             num_hidden_layers=2 if small else layers, num_attention_heads=4 if small else heads,
             num_key_value_heads=kv_heads, intermediate_size=inter // scale,
-            max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6,
+            max_position_embeddings=4096 if small else 32768, tie_word_embeddings=True, rope_theta=1e6,
         )  # fmt: skip
     return configs
 
 
 @dataclass(frozen=True)
 class RandomModel(LoadedModel):
-    """A LoadedModel whose weights are drawn at load, N(0, 0.02), under transformers' names."""
+    """A LoadedModel whose weights are drawn at load, N(0, 0.02), under transformers' names,
+    on the device that will hold them (no host work for a 1.5B model's 3 GB)."""
+
+    draw_on: str = "cpu"
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
         with torch.device("meta"):
             names = AutoModelForCausalLM.from_config(self.hf_config).named_parameters()
-        gen = torch.Generator().manual_seed(0)
         for name, param in names:
-            yield name, torch.randn(param.shape, generator=gen).mul_(0.02).to(torch.bfloat16)
+            yield name, torch.randn(param.shape, device=self.draw_on).mul_(0.02)
 
 
 def random_runner(name: str, config: PretrainedConfig, plan: Plan) -> ModelRunner:
-    loaded = RandomModel(name, config, None, Path("."), "Qwen2ForCausalLM")  # type: ignore[arg-type]
+    loaded = RandomModel(
+        name, config, None, Path("."), "Qwen2ForCausalLM", draw_on=str(plan.device)
+    )  # type: ignore[arg-type]
     dtype = "bfloat16" if plan.dtype == torch.bfloat16 else "float32"
     runner = ModelRunner(loaded, str(plan.device), dtype, block_size=16)
-    runner.allocate_kv_cache(-(-(CONTEXT + max(STEP_ROWS)) // 16))
+    runner.allocate_kv_cache(-(-(CONTEXT + max(plan.step_rows)) // 16))
     return runner
 
 
@@ -223,17 +229,19 @@ def copy_bandwidth(plan: Plan) -> float:
 def shapes_report(plan: Plan) -> str:
     bandwidth = copy_bandwidth(plan)
     lines = [f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)", ""]
-    lines.append(
-        "| model | weights GiB | bound ms | " + " | ".join(f"{m} rows ms" for m in STEP_ROWS) + " |"
-    )
-    lines.append("|---|---|---|" + "---|" * len(STEP_ROWS))
+    rows = plan.step_rows
+    header = " | ".join(f"{m} rows ms" for m in rows)
+    lines += [
+        f"| model | weights GiB | bound ms | {header} |",
+        "|---|---|---|" + "---|" * len(rows),
+    ]
     costs: dict[str, dict[int, float]] = {}
     for name, config in pair_configs(plan.scale).items():
         runner = random_runner(name, config, plan)
-        costs[name] = {m: forward_ms(runner, m, plan) for m in STEP_ROWS}
+        costs[name] = {m: forward_ms(runner, m, plan) for m in rows}
         size = runner.weights.weight_bytes
         bound = 1000 * size / bandwidth  # one read of every weight
-        cells = " | ".join(f"{costs[name][m]:.2f}" for m in STEP_ROWS)
+        cells = " | ".join(f"{costs[name][m]:.2f}" for m in rows)
         lines.append(f"| {name} | {size / 2**30:.2f} | {bound:.2f} | {cells} |")
         log(f"shapes: {name} done")
         del runner

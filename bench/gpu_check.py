@@ -261,22 +261,44 @@ def projection(target: dict[int, float], draft: dict[int, float]) -> str:
     return "\n".join(out)
 
 
+PARTS: dict[str, tuple[str, Callable[[Plan], str]]] = {  # name: (file, what writes it)
+    "env": ("env.txt", lambda plan: "\n".join(env_lines()) + "\n"),
+    "kernels": ("kernels.md", kernel_table),
+    "shapes": ("shapes.md", shapes_report),
+}
+
+
+def run_part(name: str, plan: Plan, out_dir: Path | None, report: Path | None) -> bool:
+    """One part, its text appended to its file under out_dir; one line in the report."""
+    file, make = PARTS[name]
+    started = time.perf_counter()
+    try:
+        text, ok = make(plan), True
+    except Exception as err:  # noqa: BLE001 - a failed part is reported, the others still run
+        text, ok = f"{name} failed: {type(err).__name__}: {err}\n", False
+    print(text, end="")
+    if out_dir is not None:
+        with open(out_dir / file, "a") as f:
+            f.write(text)
+    if report is not None:
+        with open(report, "a") as f:
+            state = "ok" if ok else "FAILED"
+            f.write(f"  - {name}: {state} ({time.perf_counter() - started:.0f} s)\n")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("env", "kernels", "shapes"))
+    p.add_argument("what", choices=(*PARTS, "all"))
     p.add_argument("--device", default="cuda")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out-dir", type=Path, help="append each part to its file here")
+    p.add_argument("--report", type=Path, help="append a line per part to this file")
     args = p.parse_args(argv)
-    if args.what == "env":
-        text = "\n".join(env_lines()) + "\n"
-    else:
-        plan = Plan.for_device(args.device)
-        devices.make_current(plan.device)
-        text = kernel_table(plan) if args.what == "kernels" else shapes_report(plan)
-    print(text, end="")
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    plan = Plan.for_device(args.device)
+    devices.make_current(plan.device)
+    names = list(PARTS) if args.what == "all" else [args.what]
+    failed = [n for n in names if not run_part(n, plan, args.out_dir, args.report)]
+    return len(failed)
 
 
 if __name__ == "__main__":

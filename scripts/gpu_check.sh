@@ -72,18 +72,12 @@ install_carried_wheels() {
         --target "$site" .whl/*.whl && export PYTHONPATH="$site:$PYTHONPATH"
 }
 
-env_report() {
-    {
-        if command -v nvidia-smi >/dev/null; then
-            nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-        else
-            echo "nvidia-smi: not found"
-        fi
-        "$PY" -m bench.gpu_check env
-    } >"$OUT/env.txt" 2>&1
-    local rc=$?
-    cat "$OUT/env.txt" >&2
-    return $rc
+gpu_env() {
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    else
+        echo "nvidia-smi: not found"
+    fi >"$OUT/env.txt" 2>&1
 }
 
 gpu_tests() {
@@ -112,23 +106,27 @@ serve_bench() {
 
 # The dry run checks what the bench step would launch: its config and the bench command line.
 dry_bench() {
-    "$PY" -c "from server.settings import Settings; Settings.load('configs/cuda.yaml')" &&
-        "$PY" -m server.cli bench --help >/dev/null
+    "$PY" -c "from server.cli import build_parser; from server.settings import Settings
+Settings.load('configs/cuda.yaml')
+build_parser().parse_args(['bench', '--launch', 'configs/cuda.yaml', '--categories', 'code,chat',
+    '--concurrency', '1,8', '--num-prompts', '4', '--max-tokens', '128', '--out', 'x'])"
 }
 
 choose_python || { note "- python: no CUDA torch and make install TORCH=cuda failed"; exit 1; }
 export PY OUT DEVICE PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 install_carried_wheels || note "- carried wheels (.whl): install failed"
-note "python: $PY ($("$PY" -c 'import torch; print("torch", torch.__version__)' 2>&1))"
-if ! "$PY" -c "import engine.core.llm_engine, server.settings" 2>>"$REPORT"; then
+if ! version=$("$PY" -c "import engine.core.llm_engine, server.settings, torch; \
+print('torch', torch.__version__)" 2>>"$REPORT"); then
     note "- imports: FAILED (a dependency is missing: carry wheels, see scripts/gpu_wheels.sh)"
     exit 1
 fi
+note "python: $PY ($version)"
 
-step env 60 env_report
+step "nvidia-smi" 30 gpu_env
 step "gpu tests" 240 gpu_tests
-step kernels 150 "$PY" -m bench.gpu_check kernels --device "$DEVICE" --out "$OUT/kernels.md"
-step "pair shapes" 180 "$PY" -m bench.gpu_check shapes --device "$DEVICE" --out "$OUT/shapes.md"
+# env (torch, the device), kernels (dense vs int4/int8 by M), shapes (the pair's forward costs)
+step "env, kernels, pair shapes" 360 "$PY" -m bench.gpu_check all --device "$DEVICE" \
+    --out-dir "$OUT" --report "$REPORT"
 if [ "$DEVICE" = cpu ]; then
     step "bench (dry run: config and flags only)" 60 dry_bench
 elif models_cached; then

@@ -62,10 +62,12 @@ def _draft_engine(model: Path, draft: Path, k: int, p_min: float = 0.0) -> LLMEn
     return make_engine(model, speculative=spec)
 
 
-def _reads_per_decode_step(engine: LLMEngine, batch: int) -> list[int]:
+def _reads_per_decode_step(
+    engine: LLMEngine, batch: int, params: list[SamplingParams] | None = None
+) -> list[int]:
     prompts = random_prompts(batch, (5, 9), VOCAB, seed=batch)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, greedy(10))
+        engine.add_request(f"r{i}", prompt, params[i] if params else greedy(10))
     engine.step()  # the prompts
     engine.step()  # the draft catches up on them
     reads = []
@@ -84,6 +86,25 @@ def test_host_reads_per_step_do_not_grow_with_k_or_batch(
     engine = _draft_engine(tiny_model_dir, tiny_draft_dir, k)
     reads = _reads_per_decode_step(engine, batch)
     assert reads and max(reads) <= MAX_READS_PER_STEP, reads
+
+
+SAMPLED = [
+    SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=0.7, top_k=5, min_p=0.05, ignore_eos=True),
+    greedy(10),
+]
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_sampled_requests_read_alike(
+    gpu_policy: None, tiny_model_dir: Path, tiny_draft_dir: Path, logprobs: bool
+) -> None:
+    """Seeded, top-p, top-k and min-p requests cost no read of their own; logprobs one copy."""
+    params = [*SAMPLED[:3], greedy(10, logprobs=2) if logprobs else SAMPLED[3]]
+    engine = _draft_engine(tiny_model_dir, tiny_draft_dir, k=3)
+    reads = _reads_per_decode_step(engine, 4, params)
+    assert max(reads) <= MAX_READS_PER_STEP + logprobs, reads
 
 
 def test_the_cpu_loop_reads_per_token(tiny_model_dir: Path, tiny_draft_dir: Path) -> None:

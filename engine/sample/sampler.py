@@ -303,12 +303,16 @@ def logprobs_of(
     """The model's own log-distribution (before any sampling transform): chosen + top-n."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     index = torch.tensor(token_ids, device=logits.device)[:, None]
-    chosen = logprobs.gather(1, index).squeeze(1).tolist()  # [N]
-    tops: list[tuple[tuple[int, float], ...]] = [()] * len(token_ids)
-    if num_top > 0:
-        top_vals, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)  # [N, n]
-        pairs = zip(top_ids.tolist(), top_vals.tolist(), strict=True)
-        tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
+    columns = [logprobs.gather(1, index)]  # [N, 1]: the chosen token's
+    n = min(num_top, logprobs.shape[1])
+    if n > 0:
+        top_vals, top_ids = logprobs.topk(n, dim=-1)  # [N, n] each
+        columns += [top_vals, top_ids.float()]  # ids < 2**24: exact in float32
+    table = torch.cat(columns, dim=1).tolist()  # [N, 1 + 2n]: one copy to the host
+    chosen = [row[0] for row in table]
+    tops: list[tuple[tuple[int, float], ...]] = [
+        tuple(zip(map(int, row[1 + n :]), row[1 : 1 + n], strict=True)) for row in table
+    ]
     return [
         TokenLogprob(token_id=t, logprob=lp, top=top)
         for t, lp, top in zip(token_ids, chosen, tops, strict=True)

@@ -68,16 +68,21 @@ def log(msg: str) -> None:
     print(f"[gpu-check] {msg}", file=sys.stderr, flush=True)
 
 
-def time_call(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of fn after a warm-up, the device idle before and finished after each."""
+def time_call(
+    fn: Callable[[], object], device: torch.device, repeats: int, chained: int = 1
+) -> float:
+    """Median seconds of one call after a warm-up, the device idle before and finished after
+    each sample. `chained`: calls per sample, back to back (a kernel inside a forward follows
+    others without a sync: its launch overlaps the previous kernel's work)."""
     fn()
     samples = []
     for _ in range(repeats):
         devices.synchronize(device)
         started = time.perf_counter()
-        fn()
+        for _ in range(chained):
+            fn()
         devices.synchronize(device)
-        samples.append(time.perf_counter() - started)
+        samples.append((time.perf_counter() - started) / chained)
     return statistics.median(samples)
 
 
@@ -159,7 +164,8 @@ def kernel_table(plan: Plan) -> str:
 def _ms(kernel: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, plan: Plan) -> str:
     xin = x if plan.dtype == torch.float32 else x.to(torch.bfloat16)
     try:
-        return f"{1000 * time_call(lambda: kernel(xin), plan.device, plan.repeats):.3f}"
+        chained = 10 if plan.device.type == "cuda" else 1
+        return f"{1000 * time_call(lambda: kernel(xin), plan.device, plan.repeats, chained):.3f}"
     except (RuntimeError, NotImplementedError) as err:
         log(f"kernel failed: {type(err).__name__}: {str(err)[:100]}")
         return "failed"

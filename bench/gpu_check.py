@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -180,14 +181,14 @@ def pair_configs(scale: int) -> dict[str, PretrainedConfig]:
         "target 1.5B": (1536, 28, 12, 2, 8960),
         "draft 0.5B": (896, 24, 14, 2, 4864),
     }
-    configs = {}
+    configs: dict[str, PretrainedConfig] = {}
     for name, (hidden, layers, heads, kv_heads, inter) in shapes.items():
         small = scale > 1
         configs[name] = Qwen2Config(
             vocab_size=151936 // scale, hidden_size=hidden // scale if not small else 64,
             num_hidden_layers=2 if small else layers, num_attention_heads=4 if small else heads,
             num_key_value_heads=kv_heads, intermediate_size=inter // scale,
-            max_position_embeddings=4096 if small else 32768, tie_word_embeddings=True, rope_theta=1e6,
+            max_position_embeddings=4096 if small else 32768, tie_word_embeddings=True,
         )  # fmt: skip
     return configs
 
@@ -207,9 +208,10 @@ class RandomModel(LoadedModel):
 
 
 def random_runner(name: str, config: PretrainedConfig, plan: Plan) -> ModelRunner:
+    no_tokenizer: Any = None  # a forward needs none
     loaded = RandomModel(
-        name, config, None, Path("."), "Qwen2ForCausalLM", draw_on=str(plan.device)
-    )  # type: ignore[arg-type]
+        name, config, no_tokenizer, Path("."), "Qwen2ForCausalLM", draw_on=str(plan.device)
+    )
     dtype = "bfloat16" if plan.dtype == torch.bfloat16 else "float32"
     runner = ModelRunner(loaded, str(plan.device), dtype, block_size=16)
     runner.allocate_kv_cache(-(-(CONTEXT + max(plan.step_rows)) // 16))

@@ -1,5 +1,6 @@
-"""A prompt chunk with nothing cached before it attends through SDPA's is_causal with no mask
-(flash-eligible on a GPU), with GQA, and gives what the masked path gave."""
+"""On a GPU a prompt chunk with nothing cached before it attends through SDPA's is_causal with no
+mask (flash-eligible), with GQA, and gives what the masked path gave: checked here by taking that
+path on a CPU (`causal_prefill`). A CPU itself keeps the masked call."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from engine.model import attention
 from engine.model.attention import AttentionMetadata, RequestSpan, paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
+
+
+@pytest.fixture
+def gpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "causal_prefill", lambda device: True)
 
 
 def _pool(num_blocks: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +43,9 @@ def _masked(meta: AttentionMetadata, spans: list[RequestSpan]) -> AttentionMetad
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fresh_prompt_chunk_is_causal_and_equals_the_masked_path(dtype: torch.dtype) -> None:
+def test_fresh_prompt_chunk_is_causal_and_equals_the_masked_path(
+    gpu_path: None, dtype: torch.dtype
+) -> None:
     n = 37  # not a multiple of the block size: the last block has unwritten slots
     spans = [RequestSpan(0, n, list(range(10)))]
     meta = AttentionMetadata.build(spans, BLOCK, torch.device("cpu"))
@@ -51,7 +59,7 @@ def test_fresh_prompt_chunk_is_causal_and_equals_the_masked_path(dtype: torch.dt
     torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
 
 
-def test_fresh_prompt_matches_plain_causal_attention() -> None:
+def test_fresh_prompt_matches_plain_causal_attention(gpu_path: None) -> None:
     n = 21
     meta = AttentionMetadata.build([RequestSpan(0, n, list(range(6)))], BLOCK, torch.device("cpu"))
     q, k, v = _qkv(n, torch.float32, seed=1)
@@ -64,9 +72,14 @@ def test_fresh_prompt_matches_plain_causal_attention() -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_chunks_behind_a_cached_prefix_keep_their_mask() -> None:
+def test_chunks_behind_a_cached_prefix_keep_their_mask(gpu_path: None) -> None:
     spans = [RequestSpan(8, 20, list(range(8))), RequestSpan(0, 3, [8, 9])]
     meta = AttentionMetadata.build(spans, BLOCK, torch.device("cpu"))
     long, short = meta.groups
     assert not long.causal and long.mask is not None
     assert not short.causal
+
+
+def test_a_cpu_keeps_the_masked_prefill() -> None:
+    meta = AttentionMetadata.build([RequestSpan(0, 30, list(range(8)))], BLOCK, torch.device("cpu"))
+    assert not meta.groups[0].causal and meta.groups[0].mask is not None

@@ -53,8 +53,8 @@ class AttentionGroup:
     # Short groups: an additive float32 bias [batch, 1, max_query_len, kv_len].
     mask: torch.Tensor | None
     query_index: torch.Tensor | None  # [group_tokens] int64 rows of the padded query; None = dense
-    # A prompt chunk with nothing cached before it: plain causal attention over its own tokens,
-    # SDPA's is_causal with no mask (a mask rules out the flash kernel on a GPU).
+    # A prompt chunk with nothing cached before it, on a GPU: plain causal attention over its own
+    # tokens, SDPA's is_causal with no mask (a mask rules out the flash kernel).
     causal: bool = False
 
 
@@ -131,7 +131,7 @@ def _build_group(
         tables[b, :n] = torch.tensor(span.block_table[:n], dtype=torch.int64)
     num_tokens = sum(span.num_tokens for span in run)
     short = max_q <= SHORT_QUERY_MAX
-    causal = not short and len(run) == 1 and run[0].start_pos == 0
+    causal = causal_prefill(device) and not short and len(run) == 1 and run[0].start_pos == 0
     mask = None if causal else _mask(run, max_q, max_blocks * block_size, uniform and short)
     if short and mask is not None:
         mask = _bias(mask)
@@ -145,6 +145,13 @@ def _build_group(
         query_index=_query_index(run, max_q, device, always=uniform and short),
         causal=causal,
     )
+
+
+def causal_prefill(device: torch.device) -> bool:
+    """Whether a prompt chunk with nothing cached before it drops its mask for is_causal: on a
+    GPU, where a mask rules out the flash kernel; not on a CPU, where the masked call rounds bf16
+    as transformers does and nothing is gained."""
+    return device.type != "cpu"
 
 
 def _mask(run: list[RequestSpan], max_q: int, kv_len: int, always: bool) -> torch.Tensor | None:

@@ -12,8 +12,9 @@ On a GPU the k forwards run without a host sync (`_propose_on_device`): the pick
 device and feed the next forward, every active request drafts its whole k, and one copy at the end
 brings the drafts to the host, where those after a request's first unsure pick (`p_min`) are
 dropped. On a CPU, where reading a result costs nothing, the loop looks at each pick and stops
-running a request once it is unsure: that saves its forwards. Requests with a grammar or penalties
-need their drafts on the host each step, so a batch with any takes the CPU's loop everywhere.
+running a request once it is unsure: that saves its forwards. Requests with a grammar, a logit
+bias or penalties need their drafts on the host each step, so a batch with any takes the CPU's
+loop everywhere.
 """
 
 from __future__ import annotations

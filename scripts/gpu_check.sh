@@ -114,7 +114,9 @@ build_parser().parse_args(['bench', '--launch', 'configs/cuda.yaml', '--categori
 
 choose_python || { note "- python: no CUDA torch and make install TORCH=cuda failed"; exit 1; }
 export PY OUT DEVICE PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-install_carried_wheels || note "- carried wheels (.whl): install failed"
+if [ "$DEVICE" != cpu ]; then  # wheels carried for an offline GPU image (scripts/gpu_wheels.sh)
+    install_carried_wheels || note "- carried wheels (.whl): install failed"
+fi
 if ! version=$("$PY" -c "import engine.core.llm_engine, server.settings, torch; \
 print('torch', torch.__version__)" 2>>"$REPORT"); then
     note "- imports: FAILED (a dependency is missing: carry wheels, see scripts/gpu_wheels.sh)"

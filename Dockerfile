@@ -3,12 +3,14 @@
 # CPU (default):  docker build -t specserve .
 # Bake the bundled models (~1.6 GB) into the image:
 #                 docker build --build-arg FETCH_MODELS=1 -t specserve .
-# CUDA:           docker build \
-#                   --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
-#                   --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t specserve:cuda .
+# CUDA:           docker build --build-arg TORCH=cuda \
+#                   --build-arg BASE_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04 -t specserve:cuda .
+#                 (torch 2.13.0's CUDA 13.0 build from PyPI, pinned by requirements-cuda.lock,
+#                 as `make install TORCH=cuda`; needs an NVIDIA driver >= 580; docs/GPU.md)
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
+ARG TORCH=cpu
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
 ARG FETCH_MODELS=0
@@ -34,11 +36,17 @@ RUN apt-get update \
 
 WORKDIR /app
 
-# Dependencies first (their layer survives source edits): torch from the PyTorch index,
+# Dependencies first (their layer survives source edits): torch from the PyTorch CPU index, or
+# (TORCH=cuda) PyTorch's CUDA build from PyPI with requirements-cuda.lock's nvidia-* pins;
 # everything else pinned by requirements.lock (its torch line names the CPU wheel, so drop it).
 # vllm-router too: the same image runs the router in front of replicas (compose, deploy/k8s).
-COPY pyproject.toml requirements.lock ./
-RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" \
+COPY pyproject.toml requirements.lock requirements-cuda.lock ./
+RUN if [ "${TORCH}" = "cuda" ]; then \
+        pip install -c requirements-cuda.lock "torch==${TORCH_VERSION}" \
+        && python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'no CUDA build')"; \
+    else \
+        pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"; \
+    fi \
     && grep -v '^torch==' requirements.lock > /tmp/constraints.txt \
     && python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/deps.txt \
     && pip install -c /tmp/constraints.txt -r /tmp/deps.txt \

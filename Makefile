@@ -1,5 +1,18 @@
 PY ?= python3
+# TORCH=cuda: torch 2.13.0's CUDA build from PyPI, pinned by requirements-cuda.lock, in a venv of
+# its own (.venv-cuda), e.g. `make serve TORCH=cuda CONFIG=configs/cuda.yaml`; see docs/GPU.md.
+TORCH ?= cpu
+ifeq ($(TORCH),cuda)
+VENV := .venv-cuda
+LOCK := requirements-cuda.lock
+CHECK_TORCH := import torch, sys; sys.exit(0 if torch.version.cuda else 'installed torch ' + torch.__version__ + ' has no CUDA')
+else ifeq ($(TORCH),cpu)
 VENV := .venv
+LOCK := requirements.lock
+CHECK_TORCH := import torch
+else
+$(error TORCH must be cpu or cuda, not $(TORCH))
+endif
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 KERNELS := $(VENV)/.kernels
@@ -9,10 +22,11 @@ CONFIG ?= configs/default.yaml
 
 install: $(STAMP) $(KERNELS)
 
-$(STAMP): pyproject.toml requirements.lock
+$(STAMP): pyproject.toml $(LOCK)
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c requirements.lock -e '.[test]'
+	$(BIN)/pip install --quiet -c $(LOCK) -e '.[test]'
+	$(BIN)/python -c "$(CHECK_TORCH)"
 	@touch $(STAMP)
 
 $(KERNELS): $(STAMP) engine/kernels/build.py $(wildcard engine/kernels/csrc/*)
@@ -50,4 +64,4 @@ compare-llamacpp: install fetch-models llamacpp
 	  --concurrency 1 --num-prompts 4 --max-tokens 96 --ignore-eos --repeats 2 --out bench-out/llamacpp
 
 clean:
-	rm -rf $(VENV) bench-out
+	rm -rf .venv .venv-cuda bench-out

@@ -82,9 +82,11 @@ class EngineConfig:
     dtype: Dtype = "bfloat16"
     quantization: Quantization = "auto"  # the target's, and the draft's unless it sets its own
     block_size: int = 16
-    kv_cache_gib: float = 2.0  # KV pool size on CPU (target and draft together)
+    kv_cache_gib: float = 2.0  # KV pool size (target and draft together)
     num_kv_blocks: int | None = None  # exact pool size in blocks; overrides the memory budget
-    gpu_memory_utilization: float = 0.85  # on CUDA: fraction of free memory for the KV pool
+    # On CUDA: the share of the device's memory this process may hold, weights included; the
+    # pool gets kv_cache_gib or what is left under it, whichever is less (engine/core/kv_sizing.py).
+    gpu_memory_utilization: float = 0.85
     max_model_len: int | None = None  # defaults to the model's context window
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill above it)
@@ -100,6 +102,8 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.tensor_parallel_size > 1 and self.speculative.draft_model == self.model:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A short `specserve bench` sweep on a CUDA machine that has nothing but this repository:
-# creates .venv-gpu (torch 2.13.0 with CUDA from PyPI, the rest pinned by requirements.lock),
+# installs .venv-cuda (`make install TORCH=cuda`: torch 2.13.0's CUDA build, requirements-cuda.lock),
 # fetches the bundled Qwen2.5-Coder pair, launches the server on the GPU and writes the same
 # outputs as the CPU run (results.json, report.md, PNG plots) to $OUT. Aim: under 8 minutes.
+# scripts/gpu_check.sh is the first check to run on a new GPU (docs/GPU.md).
 #
 #   bash scripts/bench_gpu.sh                 # defaults below
 #   OUT=gpu-out NUM_PROMPTS=8 bash scripts/bench_gpu.sh
@@ -10,8 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-bench-out-gpu}
-VENV=${VENV:-.venv-gpu}
-CONFIG=${CONFIG:-configs/default.yaml}
+VENV=.venv-cuda
+CONFIG=${CONFIG:-configs/cuda.yaml}
 CATEGORIES=${CATEGORIES:-code,chat,summarization}
 CONCURRENCY=${CONCURRENCY:-1,8,32}
 NUM_PROMPTS=${NUM_PROMPTS:-4}
@@ -24,15 +25,8 @@ stage() { echo "== [$(($(date +%s) - started))s] $*" >&2; }
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
-if [ ! -x "$VENV/bin/specserve" ]; then
-    stage "creating $VENV"
-    "$PY" -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --upgrade pip
-    # PyPI's Linux torch wheel is the CUDA build; the lock's torch line names the CPU one.
-    "$VENV/bin/pip" install --quiet "torch==2.13.0"
-    grep -v '^torch==' requirements.lock >"$VENV/constraints.txt"
-    "$VENV/bin/pip" install --quiet -c "$VENV/constraints.txt" -e .
-fi
+stage "installing $VENV (make install TORCH=cuda; a no-op once installed)"
+make install TORCH=cuda PY="$PY" >&2
 "$VENV/bin/python" -c "import torch, sys; ok = torch.cuda.is_available(); \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', ok); sys.exit(0 if ok else 1)"
 

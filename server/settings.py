@@ -102,7 +102,14 @@ class Settings(BaseSettings):
         default=None, ge=1, description="context window (default: model's)"
     )
     block_size: int = Field(default=16, ge=1, description="KV cache block size in tokens")
-    kv_cache_gib: float = Field(default=2.0, gt=0, description="KV cache size on CPU, GiB")
+    kv_cache_gib: float = Field(default=2.0, gt=0, description="KV cache size, GiB")
+    gpu_memory_utilization: float = Field(
+        default=0.85,
+        gt=0,
+        le=1,
+        description="on CUDA: share of the device's memory this process may hold (the KV pool "
+        "gets kv_cache_gib or the rest of this share, whichever is less)",
+    )
     enable_prefix_caching: bool = Field(
         default=True, description="reuse KV blocks of shared prefixes"
     )
@@ -208,6 +215,7 @@ class Settings(BaseSettings):
             quantization=self.quantization,
             block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

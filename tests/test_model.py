@@ -246,6 +246,7 @@ def _reference_logits(path: Path, ids: list[int], dtype: torch.dtype) -> torch.T
         return model(torch.tensor([ids])).logits[0].float()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_matches_cpu(tiny_model_dir: Path, dtype: str) -> None:

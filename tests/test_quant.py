@@ -73,6 +73,7 @@ def test_kernel_matches_dequantized_reference(fmt: str, rows: int, n: int) -> No
     assert _rel(kernel(x), want) < 1e-2  # bf16 activations and output only
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_cuda_kernel_matches_dequantized_reference(fmt: str) -> None:
@@ -81,7 +82,8 @@ def test_cuda_kernel_matches_dequantized_reference(fmt: str) -> None:
     kernel = make_kernel(q, torch.bfloat16, cuda)
     x = torch.randn(5, 1024, device=cuda).to(torch.bfloat16)
     want = F.linear(x.float(), q.dequantize().to(cuda))
-    assert not isinstance(kernel, DenseKernel)
+    # aten's int8 GEMM on CUDA is slower than bf16 on cuBLAS: int8 weights load dequantized
+    assert isinstance(kernel, DenseKernel) == (fmt == "int8")
     assert _rel(kernel(x), want) < 1e-2
 
 

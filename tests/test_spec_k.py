@@ -202,6 +202,7 @@ def test_calibration_takes_the_median_of_its_rounds(monkeypatch: pytest.MonkeyPa
     class Runner:
         block_size, vocab_size, calls = 16, 100, 0
         loaded = type("Loaded", (), {"name": "fake"})
+        device = "cpu"
 
         def forward(self, inputs: list[ForwardInput]) -> None:
             self.calls += 1

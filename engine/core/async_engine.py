@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.core.engine_thread import EngineThread
 from engine.core.llm_engine import LLMEngine
+from engine.model.device import make_current
 from engine.outputs import RequestOutput, StepStats
 from engine.sample.sampling_params import SamplingParams
 
@@ -164,6 +165,7 @@ class AsyncLLM:
 
     def _run(self) -> None:
         try:
+            make_current(self.engine.config.device)  # CUDA's current device is per thread
             while not self._stopping:
                 self._drain_inbox()
                 if not self.engine.has_unfinished():

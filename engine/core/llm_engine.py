@@ -10,8 +10,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
+from engine.core.kv_sizing import num_kv_blocks
 from engine.core.scheduler import Scheduler
+from engine.model import device as devices
 from engine.model.loader import check_same_vocab, load_model
+from engine.model.quant.for_device import quantization_for
 from engine.model.runner import ForwardInput, ModelRunner
 from engine.outputs import RequestOutput, RequestTimes, SpecStats, StepStats, TokenLogprob
 from engine.sample import structured
@@ -39,11 +42,13 @@ log = logging.getLogger("specserve.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        devices.make_current(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         log.info("loading target model %s", config.model)
+        quantization = quantization_for(config.quantization, config.device, "target")
         self.target = ModelRunner(
-            load_model(config.model, config.quantization),
+            load_model(config.model, quantization),
             config.device,
             config.dtype,
             config.block_size,
@@ -429,7 +434,8 @@ class LLMEngine:
             return NoProposer()
         assert spec.draft_model is not None
         log.info("loading draft model %s", spec.draft_model)
-        loaded = load_model(spec.draft_model, self.config.draft_quantization)
+        quantization = quantization_for(self.config.draft_quantization, self.config.device, "draft")
+        loaded = load_model(spec.draft_model, quantization)
         check_same_vocab(self.tokenizer, loaded.tokenizer)
         self.draft = ModelRunner(
             loaded,
@@ -447,14 +453,8 @@ class LLMEngine:
 
     def _num_kv_blocks(self) -> int:
         """Target and draft share block ids, so one block costs both pools' bytes."""
-        if self.config.num_kv_blocks:
-            return self.config.num_kv_blocks
         per_block = sum(runner.kv_bytes_per_block for runner in self._runners())
-        budget = self.config.kv_cache_gib * (1 << 30)
-        if self.config.device.startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info()
-            budget = free * self.config.gpu_memory_utilization
-        return max(1, int(budget // per_block))
+        return num_kv_blocks(self.config, per_block)
 
 
 def _num_logits(item: ScheduledSeq, proposal: Proposal) -> int:

@@ -61,6 +61,9 @@ class AttentionGroup:
     # Short groups, for the native kernel (engine.model.native_attention): [batch] int64 each.
     start_pos: torch.Tensor | None = None  # tokens cached before this pass
     query_lens: torch.Tensor | None = None  # new tokens
+    # A prompt chunk with nothing cached before it, on a GPU: plain causal attention over its own
+    # tokens, SDPA's is_causal with no mask (a mask rules out the flash kernel).
+    causal: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,8 @@ def _build_group(
         tables[b, :n] = torch.tensor(span.block_table[:n], dtype=torch.int64)
     num_tokens = sum(span.num_tokens for span in run)
     short = max_q <= SHORT_QUERY_MAX
-    mask = _mask(run, max_q, max_blocks * block_size, always=uniform and short)
+    causal = causal_prefill(device) and not short and len(run) == 1 and run[0].start_pos == 0
+    mask = None if causal else _mask(run, max_q, max_blocks * block_size, uniform and short)
     if short and mask is not None:
         mask = _bias(mask)
     return AttentionGroup(
@@ -149,11 +153,19 @@ def _build_group(
         query_index=_query_index(run, max_q, device, always=uniform and short),
         start_pos=_lengths([span.start_pos for span in run], device) if short else None,
         query_lens=_lengths([span.num_tokens for span in run], device) if short else None,
+        causal=causal,
     )
 
 
 def _lengths(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def causal_prefill(device: torch.device) -> bool:
+    """Whether a prompt chunk with nothing cached before it drops its mask for is_causal: on a
+    GPU, where a mask rules out the flash kernel; not on a CPU, where the masked call rounds bf16
+    as transformers does and nothing is gained."""
+    return device.type != "cpu"
 
 
 def _mask(run: list[RequestSpan], max_q: int, kv_len: int, always: bool) -> torch.Tensor | None:
@@ -224,6 +236,9 @@ def _group_attention(
     values = _gather(v_cache, group.block_tables)
     if group.max_query_len <= SHORT_QUERY_MAX:
         out = _short_attention(qg, keys, values, group.mask, scale)
+    elif group.causal:  # the keys past the chunk's own are the last block's unwritten slots
+        n = group.max_query_len
+        out = _sdpa(qg, keys[:, :, :n], values[:, :, :n], None, scale, causal=True)
     else:
         out = _sdpa(qg, keys, values, group.mask, scale)
     out = out.reshape(-1, q.shape[1] * q.shape[2])
@@ -252,12 +267,14 @@ def _sdpa(
     values: torch.Tensor,
     mask: torch.Tensor | None,  # [B, 1, Q, L] bool
     scale: float,
+    causal: bool = False,  # Q == L, query i sees keys 0..i
 ) -> torch.Tensor:  # [B, Q, heads, dim]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         keys.transpose(0, 1),
         values.transpose(0, 1),
         attn_mask=mask,
+        is_causal=causal,
         scale=scale,
         enable_gqa=keys.shape[0] != q.shape[2],
     )  # [B, heads, Q, dim]

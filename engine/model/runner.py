@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +13,7 @@ from engine.model import native_attention
 from engine.model.attention import AttentionMetadata, RequestSpan
 from engine.model.decode_graph import DecodeGraph
 from engine.model.decoder import DecoderModel, KVCache
+from engine.model.device import TimingMark, elapsed_seconds, start_timing, stop_timing
 from engine.model.families import build_decoder
 from engine.model.loader import LoadedModel
 from engine.model.parallel.layers import shard_decoder
@@ -69,8 +69,9 @@ class ModelRunner:
             self.weights.weight_bytes / (1 << 30),
         )
         self.kv_caches: list[KVCache] = []
-        # (rows, seconds) of each forward since the engine last took them; None: not timed
-        self.timings: list[tuple[int, float]] | None = None
+        # (rows, start, stop) of each forward since the engine last took them; None: not timed.
+        # Marks, not seconds: on CUDA they are events, read once per step (take_timings).
+        self.timings: list[tuple[int, TimingMark, TimingMark]] | None = None
 
     @property
     def hf_config(self) -> PretrainedConfig:
@@ -131,33 +132,43 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
-    def forward(self, inputs: list[ForwardInput]) -> torch.Tensor:
-        """-> [sum(num_logits), vocab_size] float32, in input order."""
+    def forward(
+        self, inputs: list[ForwardInput], input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """-> [sum(num_logits), vocab_size] float32, in input order.
+
+        `input_ids` [num_tokens]: the flat token ids already on the device (a draft's last picks,
+        never copied to the host); the inputs' token_ids then only count the tokens."""
         if not self.kv_caches:
             raise RuntimeError("allocate_kv_cache() before forward()")
         if self.tp is not None:
+            if input_ids is not None:
+                raise ValueError("a sharded model's ranks take token ids from the host")
             self.tp.lead("forward", inputs)
-        inputs = [i for i in inputs if i.token_ids]
+        if input_ids is None:
+            inputs = [i for i in inputs if i.token_ids]
         if not inputs:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        started = time.perf_counter()
-        logits = self._forward(inputs)
-        if self.timings is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.timings.append(
-                (sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
-            )
+        started = start_timing(self.device) if self.timings is not None else None
+        logits = self._forward(inputs, input_ids)
+        if self.timings is not None and started is not None:
+            rows = sum(len(i.token_ids) for i in inputs)
+            self.timings.append((rows, started, stop_timing(self.device)))
         return logits
 
     def take_timings(self) -> list[tuple[int, float]]:
+        """(rows, seconds) of each timed forward since the last call."""
         taken = self.timings or []
         if self.timings is not None:
             self.timings = []
-        return taken
+        return [(rows, elapsed_seconds(start, stop)) for rows, start, stop in taken]
 
-    def _forward(self, inputs: list[ForwardInput]) -> torch.Tensor:
+    def _forward(
+        self, inputs: list[ForwardInput], device_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         input_ids, positions, logit_rows = _flatten(inputs, self.block_size)
+        if device_ids is not None:
+            input_ids = device_ids  # [num_tokens], already on the device
         spans = [RequestSpan(i.start_pos, len(i.token_ids), i.block_table) for i in inputs]
         # the compiled graph runs only batches of one request: only those need its one structure
         uniform = self.decode_graph is not None and len(spans) == 1

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.model import device as devices
 from engine.outputs import TokenLogprob
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.seeded import gumbel_max, race
@@ -176,7 +177,9 @@ def apply_top_k_top_p(logits: Tensor, sampling: SamplingTensors) -> Tensor:  # [
     """Mask everything outside each row's top-k, then outside its top-p nucleus."""
     vocab_size = logits.shape[1]
     num_candidates = max(NUCLEUS_CANDIDATES, sampling.max_top_k)
-    if num_candidates < vocab_size:
+    # The candidates' shortcut asks the host whether they cover each nucleus: a sync, free only
+    # on a CPU (where it saves sorting the vocabulary); a GPU sorts it faster than it would wait.
+    if num_candidates < vocab_size and devices.host_syncs_free(logits.device):
         masked = _keep_top_k_top_p(logits, sampling.top_k, sampling.top_p, num_candidates)
         if masked is not None:
             return masked
@@ -234,6 +237,29 @@ def sample(
     One-hot rows (greedy) take their argmax without drawing anything."""
     ids = probs.argmax(dim=-1)  # [N]
     random_rows: list[int] = (probs.amax(dim=-1) < 1.0).nonzero().flatten().tolist()
+    return race_rows(probs, ids, random_rows, row_keys).tolist()
+
+
+def sample_on_device(
+    probs: Tensor,  # [N, V]
+    is_greedy: Sequence[bool],  # [N] from each row's parameters (on the host)
+    row_keys: Sequence[int | None],  # per row: a seeded row's noise key; None: the default RNG
+) -> Tensor:  # [N] long token ids, on probs' device
+    """`sample` without reading the probs on the host: rows greedy by their parameters take the
+    argmax, the others race (a row that is one-hot anyway still picks its one token)."""
+    ids = probs.argmax(dim=-1)  # [N]
+    random_rows = [i for i, greedy in enumerate(is_greedy) if not greedy]
+    return race_rows(probs, ids, random_rows, row_keys)
+
+
+def race_rows(
+    probs: Tensor,  # [N, V]
+    ids: Tensor,  # [N] the argmax, overwritten in the random rows
+    random_rows: list[int],
+    row_keys: Sequence[int | None],  # [N]
+) -> Tensor:  # [N] long
+    """The random rows' exponential race: seeded rows on their position's counter-based noise,
+    the others on the default RNG."""
     seeded = [i for i in random_rows if row_keys[i] is not None]
     unseeded = [i for i in random_rows if row_keys[i] is None]
     if unseeded:
@@ -241,7 +267,7 @@ def sample(
         ids[unseeded] = race(rows, exponential(tuple(rows.shape), None, rows.device))
     if seeded:
         ids[seeded] = gumbel_max(probs[seeded], [row_keys[i] or 0 for i in seeded])
-    return ids.tolist()
+    return ids
 
 
 def exponential(
@@ -267,12 +293,16 @@ def logprobs_of(
     """The model's own log-distribution (before any sampling transform): chosen + top-n."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     index = torch.tensor(token_ids, device=logits.device)[:, None]
-    chosen = logprobs.gather(1, index).squeeze(1).tolist()  # [N]
-    tops: list[tuple[tuple[int, float], ...]] = [()] * len(token_ids)
-    if num_top > 0:
-        top_vals, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)  # [N, n]
-        pairs = zip(top_ids.tolist(), top_vals.tolist(), strict=True)
-        tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
+    columns = [logprobs.gather(1, index)]  # [N, 1]: the chosen token's
+    n = min(num_top, logprobs.shape[1])
+    if n > 0:
+        top_vals, top_ids = logprobs.topk(n, dim=-1)  # [N, n] each
+        columns += [top_vals, top_ids.float()]  # ids < 2**24: exact in float32
+    table = torch.cat(columns, dim=1).tolist()  # [N, 1 + 2n]: one copy to the host
+    chosen = [row[0] for row in table]
+    tops: list[tuple[tuple[int, float], ...]] = [
+        tuple(zip(map(int, row[1 + n :]), row[1 : 1 + n], strict=True)) for row in table
+    ]
     return [
         TokenLogprob(token_id=t, logprob=lp, top=top)
         for t, lp, top in zip(token_ids, chosen, tops, strict=True)

@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine.model import device as devices
 from engine.model.runner import ForwardInput, ModelRunner
 
 log = logging.getLogger("specserve.engine")
@@ -249,6 +250,9 @@ def _time_forward(runner: ModelRunner, curve: CostCurve, m: int, num_blocks: int
     ids = [(7 * j + 11) % runner.vocab_size for j in range(m)]
     logits = 1 if curve.is_prompt(m) else m
     inputs = [ForwardInput(ids, context, list(range(blocks)), logits)]
+    # On a GPU the forward only queues kernels: time from an idle device to its finished work.
+    devices.synchronize(runner.device)
     t0 = time.perf_counter()
     runner.forward(inputs)
+    devices.synchronize(runner.device)
     return time.perf_counter() - t0

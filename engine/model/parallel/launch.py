@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.model.device import make_current
 from engine.model.parallel.state import TensorParallel, set_tensor_parallel
 
 log = logging.getLogger("specserve.parallel")
@@ -40,10 +41,7 @@ def init_group(
     config: EngineConfig, rank: int, init_method: str, device: str, timeout_s: int = IDLE_TIMEOUT_S
 ) -> TensorParallel:
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        import torch
-
-        torch.cuda.set_device(device)
+    make_current(device)  # this thread's CUDA device (a no-op on CPU)
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=config.tensor_parallel_size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -310,8 +310,10 @@ def _kernel_classes(
     dynamic: list[KernelClass] = []
     if activation_passes and device.type == "cpu":
         dynamic = [_DYNAMIC[activation_passes]]
-    if k % 16 or device.type not in ("cpu", "cuda"):
-        return dynamic  # the int8 op crashes on K not a multiple of 16
+    # The int8 op crashes on K not a multiple of 16; its CUDA version is a float32 loop without
+    # tensor cores, slower than bf16 on cuBLAS at every M: a GPU dequantizes int8 weights.
+    if k % 16 or device.type != "cpu":
+        return dynamic
     return [*dynamic, Int8Kernel]
 
 

@@ -7,17 +7,38 @@ k = 0 or took n-gram drafts), drafting the first token from that same forward; t
 single-token forwards draft the rest. It never changes a request: the K/V frontier it reached comes
 back in the Proposal, and rejected drafts need no rollback (the scheduler clamps the frontier to the
 accepted prefix).
+
+On a GPU the k forwards run without a host sync (`_propose_on_device`): the picks stay on the
+device and feed the next forward, every active request drafts its whole k, and one copy at the end
+brings the drafts to the host, where those after a request's first unsure pick (`p_min`) are
+dropped. On a CPU, where reading a result costs nothing, the loop looks at each pick and stops
+running a request once it is unsure: that saves its forwards. Requests with a grammar, a logit
+bias or penalties need their drafts on the host each step, so a batch with any takes the CPU's
+loop everywhere.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from engine.model import device as devices
 from engine.model.runner import ForwardInput, ModelRunner
 from engine.sample import structured
-from engine.sample.sampler import processed_probs, sample
+from engine.sample.sampler import processed_probs, sample, sample_on_device
 from engine.sequence import ScheduledSeq, Sequence
 from engine.spec_decode.proposers.base import Proposal
+
+
+@dataclass(frozen=True)
+class _DraftStep:
+    """One forward of the on-device loop: the requests it ran, in row order, and their picks."""
+
+    rows: list[int]  # batch indices
+    tokens: torch.Tensor  # [R] long
+    probs: torch.Tensor  # [R, draft_vocab]
+    sure: torch.Tensor  # [R] bool: the draft's own probability of its pick >= p_min
 
 
 class DraftModelProposer:
@@ -29,6 +50,9 @@ class DraftModelProposer:
 
     def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
         active = [i for i, item in enumerate(batch) if item.k_for(self.name) > 0]
+        on_device = not devices.host_syncs_free(self.runner.device)
+        if active and on_device and all(_plain(batch[i]) for i in active):
+            return self._propose_on_device(batch, active)
         drafts: dict[int, list[int]] = {i: [] for i in active}
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         frontier = {i: batch[i].seq.num_draft_computed_tokens for i in active}
@@ -50,6 +74,69 @@ class DraftModelProposer:
             self._proposal(item, drafts.get(i), probs.get(i), frontier.get(i))
             for i, item in enumerate(batch)
         ]
+
+    def _propose_on_device(self, batch: list[ScheduledSeq], active: list[int]) -> list[Proposal]:
+        """Every active request drafts its k; the picks never leave the device until the end."""
+        frontier = {i: batch[i].seq.num_draft_computed_tokens for i in active}
+        steps: list[_DraftStep] = []
+        rows = active
+        while rows:
+            if not steps:
+                logits = self.runner.forward([self._catch_up(batch[i], frontier, i) for i in rows])
+            else:
+                last = steps[-1]
+                picks = last.tokens  # [R]: the last picks are the next forward's tokens
+                if rows != last.rows:
+                    at = [last.rows.index(i) for i in rows]
+                    picks = picks.index_select(0, torch.tensor(at, device=picks.device))
+                inputs = [self._feed_last(batch[i], [0], frontier, i) for i in rows]
+                logits = self.runner.forward(inputs, picks)  # [R, draft_vocab]
+            steps.append(self._draft_on_device(batch, rows, logits, len(steps)))
+            rows = [i for i in rows if batch[i].k_for(self.name) > len(steps)]
+        drafts, probs = self._to_host(steps)
+        return [
+            self._proposal(item, drafts.get(i), probs.get(i), frontier.get(i))
+            for i, item in enumerate(batch)
+        ]
+
+    def _draft_on_device(
+        self,
+        batch: list[ScheduledSeq],
+        rows: list[int],
+        logits: torch.Tensor,  # [len(rows), draft_vocab]
+        num_drafted: int,  # drafts each of these rows has made before this one
+    ) -> _DraftStep:
+        seqs = [batch[i].seq for i in rows]
+        params = [seq.params for seq in seqs]
+        step_probs = processed_probs(logits, params, [[] for _ in rows])  # no penalties here
+        row_keys = [_row_key(seq, num_drafted) for seq in seqs]  # seeded: this position's noise
+        tokens = sample_on_device(step_probs, [p.greedy for p in params], row_keys)
+        # Confidence uses the raw draft distribution, so greedy (one-hot) rows are judged too.
+        confidence = torch.softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        return _DraftStep(rows, tokens, step_probs, confidence >= self.p_min)
+
+    @staticmethod
+    def _to_host(
+        steps: list[_DraftStep],
+    ) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
+        """Each request's drafts up to and including its first unsure pick, and their probs; the
+        step's one device-to-host copy of the draft loop."""
+        flat = torch.cat([s.tokens for s in steps] + [s.sure.long() for s in steps]).tolist()
+        num = len(flat) // 2
+        tokens, sure = flat[:num], flat[num:]
+        drafts: dict[int, list[int]] = {i: [] for i in steps[0].rows}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in steps[0].rows}
+        stopped: set[int] = set()
+        offset = 0
+        for step in steps:
+            for r, i in enumerate(step.rows):
+                if i not in stopped:
+                    drafts[i].append(tokens[offset + r])
+                    probs[i].append(step.probs[r])
+                    if not sure[offset + r]:
+                        stopped.add(i)
+            offset += len(step.rows)
+        return drafts, probs
 
     @staticmethod
     def _catch_up(item: ScheduledSeq, frontier: dict[int, int], key: int) -> ForwardInput:
@@ -118,3 +205,6 @@ def _row_key(seq: Sequence, num_drafted: int) -> int | None:
     """The seeded noise key of the output position this draft fills; None for unseeded requests."""
     keys = seq.seeded_row_keys(1, ahead=num_drafted)
     return None if keys is None else keys[0]
+def _plain(item: ScheduledSeq) -> bool:
+    """Drafts that need no host look per token: no grammar or logit bias, no penalties."""
+    return item.seq.constraint is None and not item.seq.params.has_penalties

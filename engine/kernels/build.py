@@ -24,6 +24,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 log = logging.getLogger(__name__)
 
@@ -69,24 +70,26 @@ def load(verbose: bool = False) -> bool:
     from torch.utils import cpp_extension
 
     started = time.perf_counter()
+    directory = build_dir()
     try:
-        cpp_extension.load(
-            name=NAME,
-            sources=[str(path) for path in sources()],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(build_dir()),
-            is_python_module=False,
-            verbose=verbose,
-        )
-    except (
-        Exception
-    ) as error:  # no compiler, no ninja, a build error: torch's kernels serve instead
-        log.warning(
-            "native kernels unavailable, using torch's (%s)", str(error).splitlines()[0][:200]
-        )
+        # One builder at a time, by an OS lock that dies with its process: torch's own `lock`
+        # file outlives a killed build and would make every later load wait forever.
+        with FileLock(str(directory / "specserve-build.lock")):
+            (directory / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name=NAME,
+                sources=[str(path) for path in sources()],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=verbose,
+            )
+    except Exception as error:  # no compiler, no ninja, a build error: torch's kernels serve
+        first_line = (str(error).splitlines() or [type(error).__name__])[0][:200]
+        log.warning("native kernels unavailable, using torch's (%s)", first_line)
         return False
-    log.info("native kernels loaded in %.1f s from %s", time.perf_counter() - started, build_dir())
+    log.info("native kernels loaded in %.1f s from %s", time.perf_counter() - started, directory)
     return True
 
 

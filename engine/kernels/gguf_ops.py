@@ -59,11 +59,13 @@ def pack(blocks: torch.Tensor, qtype: int, variant: str = "") -> tuple[torch.Ten
 
 def mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, variant: str = "") -> torch.Tensor:
     """x [M, K] float32 times the blocks' matrix [N, K] transposed: [M, N] float32."""
-    return torch.ops.specserve_kernels.gguf_mm(x, blocks, qtype, variant)
+    out: torch.Tensor = torch.ops.specserve_kernels.gguf_mm(x, blocks, qtype, variant)
+    return out
 
 
 def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:  # [N, bytes] -> [N, K] float32
-    return torch.ops.specserve_kernels.gguf_dequantize(blocks, qtype)
+    out: torch.Tensor = torch.ops.specserve_kernels.gguf_dequantize(blocks, qtype)
+    return out
 
 
 def row_bytes(qtype: int, in_features: int) -> int:
@@ -73,11 +75,11 @@ def row_bytes(qtype: int, in_features: int) -> int:
 
 @cache
 def _register_fakes() -> None:
-    @torch.library.register_fake("specserve_kernels::gguf_mm")
+    @torch.library.register_fake("specserve_kernels::gguf_mm")  # type: ignore[untyped-decorator]
     def _(x: torch.Tensor, blocks: torch.Tensor, qtype: int, variant: str = "") -> torch.Tensor:
         return x.new_empty(x.shape[0], blocks.shape[0])
 
-    @torch.library.register_fake("specserve_kernels::gguf_dequantize")
+    @torch.library.register_fake("specserve_kernels::gguf_dequantize")  # type: ignore[untyped-decorator]
     def _(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         values, nbytes = FORMATS[qtype]
         k = blocks.shape[1] // nbytes * values

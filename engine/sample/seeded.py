@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.model import device as devices
+
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
 # Wellons' lowbias32 (hash prospector): shifts 16, 15, 16 around two odd multipliers.
@@ -93,7 +95,9 @@ def gumbel_max(
     """The race over each row's support only: a token of probability 0 can never win, and a
     top-k or top-p row often keeps a few dozen of 152k tokens, so most of the hashing is skipped."""
     vocab_size, device = probs.shape[1], probs.device
-    support = int((probs > 0).sum(dim=-1).max()) if probs.numel() else 0
+    # Sizing the support reads it on the host: worth it on a CPU, a stall on a GPU.
+    sparse = devices.host_syncs_free(device) and probs.numel() > 0
+    support = int((probs > 0).sum(dim=-1).max()) if sparse else 0
     if 0 < support <= min(SPARSE_MAX_SUPPORT, vocab_size // 2):
         values, ids = probs.topk(support, dim=-1)  # [R, C]
         noise = exponential_at(row_keys, vocab_size, device, ids)  # [R, C]

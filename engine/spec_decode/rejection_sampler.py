@@ -337,7 +337,8 @@ def _own_tokens(
         own = torch.empty(target_logits.shape[0], dtype=torch.long, device=target_logits.device)
     if seeded:
         assert target_probs is not None
-        rows, keys = [], []
+        rows: list[int] = []
+        keys: list[int] = []
         for b in seeded:
             first, num_rows = m.first_rows[b], m.num_draft_tokens[b] + 1
             row_keys = seeded_rows[b] or []

@@ -5,15 +5,22 @@ block unpacked once for all the rows, a row's result the same alone or in any ba
 chunk of many rows takes whichever path is faster on this CPU: the same kernel, or the blocks
 dequantized to bf16 for the call and torch's GEMM (AMX or AVX512-BF16 make the latter win from
 some row count on). That count is measured once per process, on the first weight big enough to
-tell, at load, and logged; it is never below the verify rows, so batch invariance holds where
-speculation needs it.
+tell, at load, and logged; it is never below the verify rows.
+
+Which path a row takes is decided by its own request's chunk, never by the batch: the runner
+names the forward's chunks (`forward_chunks`), and only the rows of a chunk at least that long
+run dense. A decode or verify row therefore runs native whether it shares a step with a long
+prompt or not, so speculative greedy output equals plain greedy output.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +53,17 @@ class GgufKernel:
             _dense_from[self.dense_dtype] = _measure_dense_from(self, weight.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] float32
-        if x.shape[0] >= _dense_from.get(self.dense_dtype, NEVER):
+        dense_from = _dense_from.get(self.dense_dtype, NEVER)
+        if x.shape[0] < dense_from:  # no chunk can be long enough
+            return self.native(x)
+        native_rows = _native_rows(x.shape[0], dense_from)
+        if native_rows is None:
             return self.dense(x)
-        return self.native(x)
+        if native_rows.numel() == x.shape[0]:
+            return self.native(x)
+        out = self.dense(x)  # the few short rows computed twice: cheaper than splitting the call
+        out[native_rows] = self.native(x[native_rows])
+        return out
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
         return gguf_ops.mm(x.float().contiguous(), self.blocks, self.qtype)
@@ -59,6 +74,43 @@ class GgufKernel:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.blocks]
+
+
+_forward = threading.local()  # the chunks of the forward running on this thread
+
+
+@contextmanager
+def forward_chunks(lengths: list[int]) -> Iterator[None]:
+    """The forward run inside: its requests' new-token counts, in row order."""
+    _forward.lengths, _forward.rows = lengths, {}
+    try:
+        yield
+    finally:
+        _forward.lengths, _forward.rows = None, {}
+
+
+def _native_rows(num_rows: int, dense_from: int) -> torch.Tensor | None:
+    """[R] int64: the rows of a call that must run native (chunks shorter than dense_from); None:
+    every row may run dense (a call outside any named forward, as in a benchmark). A call whose
+    rows are not the forward's tokens (the logits of some of them) runs native throughout."""
+    lengths = getattr(_forward, "lengths", None)
+    if lengths is None:
+        return None
+    if num_rows != sum(lengths):
+        return torch.arange(num_rows)
+    cached = _forward.rows.get(dense_from)
+    if cached is None:
+        short = [torch.arange(n) + start for start, n in _starts(lengths) if n < dense_from]
+        cached = torch.cat(short) if short else torch.empty(0, dtype=torch.int64)
+        _forward.rows[dense_from] = cached
+    return cached
+
+
+def _starts(lengths: list[int]) -> Iterator[tuple[int, int]]:
+    start = 0
+    for n in lengths:
+        yield start, n
+        start += n
 
 
 def _measure_dense_from(kernel: GgufKernel, in_features: int) -> int:

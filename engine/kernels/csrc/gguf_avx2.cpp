@@ -190,6 +190,7 @@ void tile_32(const TileArgs& a) {
 Variant avx2_variant() {
   return {"avx2",          tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
           q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     nullptr,
+          nullptr,          nullptr,
           kNatural,         kNatural,        dequantize_row_impl};
 }
 

@@ -83,6 +83,46 @@ void unpack_q4_k_x(const uint8_t* block, KBlock* out) {
   }
 }
 
+// Column j of a Q4_K_R16 super-block (layout in gguf_blocks.h).
+void unpack_q4_k_r16(const uint8_t* block, int j, KBlock* out) {
+  out->d = half_to_float(block + 2 * j);
+  out->dmin = half_to_float(block + 32 + 2 * j);
+  out->offset = 0;
+  for (int g = 0; g < 16; ++g) {
+    const int s = g / 2;
+    out->scale[g] = block[64 + 16 * s + j];
+    out->min[g] = block[192 + 32 * (s / 2) + 2 * j + s % 2];
+  }
+  for (int s = 0; s < 8; ++s) {
+    for (int c = 0; c < 4; ++c) {
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = block[320 + 256 * s + 64 * c + 4 * j + i];
+        out->q[32 * s + 4 * c + i] = byte & 15;
+        out->q[32 * s + 16 + 4 * c + i] = byte >> 4;
+      }
+    }
+  }
+}
+
+// Column j of a Q6_K_R16 super-block.
+void unpack_q6_k_r16(const uint8_t* block, int j, KBlock* out) {
+  out->d = half_to_float(block + 2 * j);
+  out->dmin = 0.0f;
+  out->offset = 32;
+  for (int g = 0; g < 16; ++g) {
+    out->scale[g] = int8_t(block[32 + 32 * (g / 2) + 2 * j + g % 2]);
+    out->min[g] = 0;
+    const uint8_t* group = block + 288 + 192 * g;
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t high = group[128 + 4 * j + i];
+      for (int k = 0; k < 4; ++k) {
+        const uint8_t low = group[64 * (k / 2) + 4 * j + i];
+        out->q[16 * g + 4 * k + i] = (k % 2 ? low >> 4 : low & 15) | ((high >> (2 * k)) & 3) << 4;
+      }
+    }
+  }
+}
+
 void unpack_k(int qtype, const uint8_t* block, KBlock* out) {
   if (qtype == Q4_K_X) {
     unpack_q4_k_x(block, out);
@@ -113,15 +153,32 @@ void unpack_32(int qtype, const uint8_t* block, int8_t q[32], float* d) {
   }
 }
 
+// Super-block b of weight row n of a *_R16 matrix; `full_group`: n's group has all 16 rows
+// (else n is one of the last N % 16 rows, stored per row as the tail form).
+void unpack_rows16(int qtype, const uint8_t* weights, int64_t row_bytes, bool full_group, int64_t n,
+                   int64_t b, KBlock* out) {
+  Format format;
+  format_of(qtype, &format);
+  if (!full_group) return unpack_k(rows16_tail(qtype), weights + n * row_bytes + b * format.block_bytes, out);
+  const uint8_t* block = weights + n / kGroupRows * kGroupRows * row_bytes + b * kGroupRows * format.block_bytes;
+  if (qtype == Q4_K_R16) return unpack_q4_k_r16(block, int(n % kGroupRows), out);
+  unpack_q6_k_r16(block, int(n % kGroupRows), out);
+}
+
 template <int QType>
 void k_tile(const TileArgs& a) {
   constexpr int block_bytes = QType == Q4_K ? 144 : QType == Q5_K ? 176 : QType == Q4_K_X ? 148 : 210;
+  // a *_R16 tile is one group: all 16 rows interleaved, or the per-row tail (gguf_blocks.h)
   for (int64_t n = a.n_begin; n < a.n_end; ++n) {
     const uint8_t* row = a.weights + n * a.weight_row_bytes;
     float acc[kMaxRows] = {};
     for (int64_t b = 0; b < a.blocks; ++b) {
       KBlock w;
-      unpack_k(QType, row + b * block_bytes, &w);
+      if (is_rows16(QType)) {
+        unpack_rows16(QType, a.weights, a.weight_row_bytes, a.n_end - a.n_begin == kGroupRows, n, b, &w);
+      } else {
+        unpack_k(QType, row + b * block_bytes, &w);
+      }
       for (int r = 0; r < a.rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b;
         const int16_t* sums = a.acts[r].sums + 16 * b;
@@ -197,6 +254,48 @@ void pack_q4_k_x(const uint8_t* block, uint8_t* out) {
   }
 }
 
+void pack_rows16(int qtype, const uint8_t* rows, int64_t row_bytes, int64_t b, uint8_t* out) {
+  const bool q4 = qtype == Q4_K;
+  const int block_bytes = q4 ? 144 : 210;
+  for (int j = 0; j < kGroupRows; ++j) {
+    const uint8_t* block = rows + j * row_bytes + b * block_bytes;
+    KBlock w;
+    unpack_k(qtype, block, &w);
+    std::memcpy(out + 2 * j, block + (q4 ? 0 : 208), 2);  // d, as the file's f16
+    if (q4) std::memcpy(out + 32 + 2 * j, block + 2, 2);  // dmin
+    for (int g = 0; g < 16; g += 2) {
+      if (q4) out[64 + 8 * g + j] = uint8_t(w.scale[g]);
+      if (q4) out[192 + 32 * (g / 4) + 2 * j + g / 2 % 2] = uint8_t(w.min[g]);
+      if (!q4) out[32 + 16 * g + 2 * j] = uint8_t(w.scale[g]), out[33 + 16 * g + 2 * j] = uint8_t(w.scale[g + 1]);
+    }
+    for (int i = 0; i < 256; ++i) {  // value i of column j: where the layout puts it
+      if (q4) {
+        const int s = i / 32, c = i % 16 / 4, high = i % 32 / 16;
+        uint8_t& byte = out[320 + 256 * s + 64 * c + 4 * j + i % 4];
+        byte = uint8_t(high ? (byte & 15) | w.q[i] << 4 : w.q[i]);
+      } else {
+        const int g = i / 16, k = i % 16 / 4;
+        uint8_t& low = out[288 + 192 * g + 64 * (k / 2) + 4 * j + i % 4];
+        low = uint8_t(k % 2 ? (low & 15) | (w.q[i] & 15) << 4 : w.q[i] & 15);
+        uint8_t& high = out[288 + 192 * g + 128 + 4 * j + i % 4];
+        high = uint8_t((k ? high : 0) | (w.q[i] >> 4) << (2 * k));
+      }
+    }
+  }
+}
+
+void dequantize_rows16_row(int qtype, const uint8_t* weights, int64_t row_bytes, int64_t n_total, int64_t n,
+                           float* out) {
+  const bool full_group = n < n_total / kGroupRows * kGroupRows;
+  for (int64_t b = 0; b < row_bytes / (qtype == Q4_K_R16 ? 148 : 210); ++b) {
+    KBlock w;
+    unpack_rows16(qtype, weights, row_bytes, full_group, n, b, &w);
+    for (int i = 0; i < 256; ++i) {
+      out[256 * b + i] = w.d * float(w.scale[i / 16] * (int32_t(w.q[i]) - w.offset)) - w.dmin * float(w.min[i / 16]);
+    }
+  }
+}
+
 void dequantize_block(int qtype, const uint8_t* block, float* out) {
   if (is_k_quant(qtype)) {
     KBlock w;
@@ -235,7 +334,11 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row) {
         for (int i = 0; i < 16; ++i) sum += q[b * block + 16 * g + i];
         sums[b * 16 + g] = int16_t(sum);
       }
-      for (int s = 0; s < 8; ++s) dsums[b * 8 + s] = d * float(sums[b * 16 + 2 * s] + sums[b * 16 + 2 * s + 1]);
+      int16_t* pair_sums = reinterpret_cast<int16_t*>(row + layout.pair_sums_offset) + b * 8;
+      for (int s = 0; s < 8; ++s) {
+        pair_sums[s] = int16_t(sums[b * 16 + 2 * s] + sums[b * 16 + 2 * s + 1]);  // |.| <= 32 * 127
+        dsums[b * 8 + s] = d * float(pair_sums[s]);
+      }
       if (layout.q_order == kNibbleHalves) reorder_nibble_halves(q + b * block);
       if (layout.q_order == kSubblockLanes) reorder_subblock_lanes(q + b * block);
     } else {
@@ -247,6 +350,7 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row) {
 Variant scalar_variant() {
   return {"scalar",     tile_32<Q4_0>, tile_32<Q5_0>, tile_32<Q8_0>,
           k_tile<Q4_K>, k_tile<Q5_K>,   k_tile<Q6_K>, k_tile<Q4_K_X>,
+          k_tile<Q4_K_R16>, k_tile<Q6_K_R16>,
           kNatural,     kNatural,       dequantize_row_impl};
 }
 

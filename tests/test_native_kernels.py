@@ -43,7 +43,7 @@ PACKED = {
     "Q6_K_R16": (T.Q6_K, "rows16"),
 }
 FORMS = [t.name for t in TYPES] + list(PACKED)
-ROWS16_VARIANTS = {"avx512vnni", "scalar"}  # those with kernels for the interleaved layouts
+ROWS16_VARIANTS = {"avx512vnni", "avx2", "scalar"}  # those with kernels for the interleaved layouts
 
 
 def file_type(form: str) -> T:

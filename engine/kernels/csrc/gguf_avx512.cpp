@@ -395,7 +395,7 @@ Variant avx512_variant() {
   return {"avx512vnni",     tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
           q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     q4_k_x_tile,
           by_rows<Q4KRows16>, by_rows<Q6KRows16>,
-          kNibbleHalves,    kSubblockLanes,  dequantize_row_impl};
+          kNibbleHalves,    kSubblockLanes,  dequantize_row_impl, dequantize_group_impl};
 }
 
 }  // namespace specserve::gguf

@@ -211,6 +211,8 @@ struct Variant {
   TileKernel q4_k_r16, q6_k_r16;  // full groups only: the op sends a tail group to the reference
   QOrder q4_k_order, q4_k_x_order;  // how its Q4_K / Q5_K and Q4_K_X kernels want the activations
   void (*dequantize_row)(int qtype, const uint8_t* row, int64_t blocks, float* out);
+  // a full group of 16 rows of a *_R16 type to floats [16, 256 * blocks]
+  void (*dequantize_group)(int qtype, const uint8_t* group, int64_t blocks, float* out);
 
   TileKernel for_type(int qtype) const {
     switch (qtype) {

@@ -46,6 +46,53 @@ void dequantize_q6_k_row(const uint8_t* row, int64_t blocks, float* out) {
   }
 }
 
+// Super-block b of a full group of 16 Q4_K_R16 rows (gguf_blocks.h) to floats: row j's values
+// go to out[j * k + 256 b ...]. The same products as dequantize_q4_k_row, so the same floats.
+void dequantize_q4_k_r16_block(const uint8_t* block, int64_t b, int64_t k, float* out) {
+  for (int j = 0; j < kGroupRows; ++j) {
+    const float d = half_to_float(block + 2 * j), dmin = half_to_float(block + 32 + 2 * j);
+    float* o = out + j * k + 256 * b;
+    for (int s = 0; s < 8; ++s) {
+      const float scale = d * block[64 + 16 * s + j], min = dmin * block[192 + 32 * (s / 2) + 2 * j + s % 2];
+      const uint8_t* qs = block + 320 + 256 * s + 4 * j;
+      for (int c = 0; c < 4; ++c) {
+        for (int i = 0; i < 4; ++i) {
+          o[32 * s + 4 * c + i] = scale * float(qs[64 * c + i] & 15) - min;
+          o[32 * s + 16 + 4 * c + i] = scale * float(qs[64 * c + i] >> 4) - min;
+        }
+      }
+    }
+  }
+}
+
+// The same for Q6_K_R16, with dequantize_q6_k_row's products.
+void dequantize_q6_k_r16_block(const uint8_t* block, int64_t b, int64_t k, float* out) {
+  for (int j = 0; j < kGroupRows; ++j) {
+    const float d = half_to_float(block + 2 * j);
+    float* o = out + j * k + 256 * b;
+    for (int g = 0; g < 16; ++g) {
+      const float scale = d * int8_t(block[32 + 32 * (g / 2) + 2 * j + g % 2]);
+      const uint8_t* values = block + 288 + 192 * g + 4 * j;
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t low0 = values[i], low1 = values[64 + i], high = values[128 + i];
+        o[16 * g + i] = scale * float(((low0 & 15) | (high & 3) << 4) - 32);
+        o[16 * g + 4 + i] = scale * float(((low0 >> 4) | (high >> 2 & 3) << 4) - 32);
+        o[16 * g + 8 + i] = scale * float(((low1 & 15) | (high >> 4 & 3) << 4) - 32);
+        o[16 * g + 12 + i] = scale * float(((low1 >> 4) | (high >> 6) << 4) - 32);
+      }
+    }
+  }
+}
+
+// A full group of 16 *_R16 rows, `blocks` super-blocks each, to floats [16, k].
+void dequantize_group_impl(int qtype, const uint8_t* group, int64_t blocks, float* out) {
+  const int64_t k = 256 * blocks;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (qtype == Q4_K_R16) dequantize_q4_k_r16_block(group + b * 16 * 148, b, k, out);
+    else dequantize_q6_k_r16_block(group + b * 16 * 210, b, k, out);
+  }
+}
+
 // One weight row of `blocks` blocks to floats.
 void dequantize_row_impl(int qtype, const uint8_t* row, int64_t blocks, float* out) {
   if (qtype == Q4_K) return dequantize_q4_k_row(row, blocks, out);

@@ -148,16 +148,20 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks_in, int64_t qtype) {
   at::Tensor out = at::empty({n, per_row * format.block_values}, blocks.options().dtype(at::kFloat));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  const auto dequantize_row = variants().front().dequantize_row;
+  const Variant& best = variants().front();
   const int64_t k = per_row * format.block_values, row_bytes = blocks.size(1);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (is_rows16(int(qtype))) {
-        dequantize_rows16_row(int(qtype), src, row_bytes, n, i, dst + i * k);
-      } else {
-        dequantize_row(int(qtype), src + i * row_bytes, per_row, dst + i * k);
+  if (is_rows16(int(qtype))) {  // by groups of 16 interleaved rows; the tail per row
+    const int64_t groups = n / kGroupRows;
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        best.dequantize_group(int(qtype), src + g * kGroupRows * row_bytes, per_row, dst + g * kGroupRows * k);
       }
-    }
+    });
+    for (int64_t i = groups * kGroupRows; i < n; ++i) dequantize_rows16_row(int(qtype), src, row_bytes, n, i, dst + i * k);
+    return out;
+  }
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) best.dequantize_row(int(qtype), src + i * row_bytes, per_row, dst + i * k);
   });
   return out;
 }

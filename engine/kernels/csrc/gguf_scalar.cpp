@@ -351,7 +351,7 @@ Variant scalar_variant() {
   return {"scalar",     tile_32<Q4_0>, tile_32<Q5_0>, tile_32<Q8_0>,
           k_tile<Q4_K>, k_tile<Q5_K>,   k_tile<Q6_K>, k_tile<Q4_K_X>,
           k_tile<Q4_K_R16>, k_tile<Q6_K_R16>,
-          kNatural,     kNatural,       dequantize_row_impl};
+          kNatural,     kNatural,       dequantize_row_impl, dequantize_group_impl};
 }
 
 }  // namespace specserve::gguf

@@ -93,7 +93,7 @@ def case_kernels(
             packed, packed_type = gguf_ops.pack(blocks, int(qtype), variant, layout)
             if layout == "rows16" and packed_type == int(qtype):
                 continue  # no interleaved layout for this type
-            if layout == "rows16" and variant not in ("avx512vnni", "avx2", "scalar"):
+            if layout == "rows16" and variant not in ("avx512vnni", "avxvnni", "avx2", "scalar"):
                 continue  # no kernel for it in this variant
             out[f"{variant} {layout}"] = (packed, packed_type, variant)
     return out

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
-ALL_VARIANTS = ["avx512vnni", "avx2", "scalar"]
+ALL_VARIANTS = ["avx512vnni", "avxvnni", "avx2", "scalar"]
 
 
 def variant_param(name: str) -> object:
@@ -43,7 +43,7 @@ PACKED = {
     "Q6_K_R16": (T.Q6_K, "rows16"),
 }
 FORMS = [t.name for t in TYPES] + list(PACKED)
-ROWS16_VARIANTS = {"avx512vnni", "avx2", "scalar"}  # those with kernels for the interleaved layouts
+ROWS16_VARIANTS = {"avx512vnni", "avxvnni", "avx2", "scalar"}  # those with kernels for the interleaved layouts
 
 
 def file_type(form: str) -> T:
@@ -54,8 +54,8 @@ def operands(form: str, blocks: torch.Tensor, variant: str) -> tuple[torch.Tenso
     """The blocks as `variant` multiplies them for this form, and the type id to pass."""
     if form not in PACKED:
         return blocks, int(T[form])
-    if form == "Q4_K_X" and variant == "avx2":
-        pytest.skip("Q4_K_X is the avx512vnni layout; avx2 multiplies Q4_K as stored")
+    if form == "Q4_K_X" and variant in ("avx2", "avxvnni"):
+        pytest.skip(f"Q4_K_X is the avx512vnni layout; {variant} multiplies Q4_K as stored")
     if form != "Q4_K_X" and variant not in ROWS16_VARIANTS:
         pytest.skip(f"{variant} has no kernel for the 16-row layouts")
     qtype, layout = PACKED[form]

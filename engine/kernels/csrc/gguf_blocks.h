@@ -230,9 +230,10 @@ struct Variant {
   }
 };
 
-// Defined in gguf_scalar.cpp (portable C++), gguf_avx2.cpp and gguf_avx512.cpp.
+// Defined in gguf_scalar.cpp (portable C++), gguf_avx2.cpp, gguf_avxvnni.cpp and gguf_avx512.cpp.
 Variant scalar_variant();
 Variant avx2_variant();
+Variant avxvnni_variant();
 Variant avx512_variant();
 
 // The reference's own pieces, shared with the op: one block to floats, and one activation row

@@ -3,7 +3,8 @@
 //
 //   gguf_mm(x [M, K] float32, blocks [N, K / values * bytes] uint8, qtype, variant) -> [M, N] float32
 //   gguf_dequantize(blocks [N, bytes per row] uint8, qtype) -> [N, K] float32
-//   gguf_variants() -> the ISA variants this CPU runs, best first ("avx512vnni", "avx2", "scalar")
+//   gguf_variants() -> the ISA variants this CPU runs, best first ("avx512vnni", "avxvnni", "avx2",
+//                      "scalar")
 //
 // Each activation row is rounded to int8 on its own, then the weight rows are split across
 // torch's intra-op threads in tiles of 16; inside a tile, rows go 8 at a time, so every weight
@@ -35,6 +36,8 @@ bool has_avx2() {
          __builtin_cpu_supports("f16c");
 }
 
+bool has_avxvnni() { return has_avx2() && __builtin_cpu_supports("avxvnni"); }
+
 bool has_avx512vnni() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -45,6 +48,7 @@ const std::vector<Variant>& variants() {
   static const std::vector<Variant> all = [] {
     std::vector<Variant> out;
     if (has_avx512vnni()) out.push_back(avx512_variant());
+    if (has_avxvnni()) out.push_back(avxvnni_variant());
     if (has_avx2()) out.push_back(avx2_variant());
     out.push_back(scalar_variant());
     return out;
@@ -167,7 +171,9 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks_in, int64_t qtype) {
 }
 
 // The variants whose kernels multiply the row-interleaved *_R16 layouts.
-bool runs_rows16(const std::string& variant) { return variant == "avx512vnni"; }
+bool runs_rows16(const std::string& variant) {
+  return variant == "avx512vnni" || variant == "avxvnni" || variant == "avx2";
+}
 
 // Q4_K / Q6_K rows to Q4_K_R16 / Q6_K_R16: full groups of 16 interleaved, the tail per row.
 at::Tensor pack_rows16_matrix(const at::Tensor& blocks, int64_t qtype) {
@@ -206,7 +212,7 @@ at::Tensor pack_q4_k_x_matrix(const at::Tensor& blocks) {
 }
 
 // The blocks in the layout `variant` (default: the best here) multiplies fastest, and their type.
-// layout "" is that best: Q4_K and Q6_K become Q4_K_R16 and Q6_K_R16 for avx512vnni; "tiles"
+// layout "" is that best: Q4_K and Q6_K become Q4_K_R16 and Q6_K_R16 for every SIMD variant; "tiles"
 // keeps the per-row layouts (Q4_K_X for avx512vnni); "rows16" asks for the interleaved ones.
 // Other types come back as they are.
 std::tuple<at::Tensor, int64_t> gguf_pack(const at::Tensor& blocks_in, int64_t qtype, const std::string& variant_name,

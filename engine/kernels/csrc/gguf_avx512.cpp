@@ -257,7 +257,7 @@ void tile_32(const TileArgs& a) {
 // every lane. A sub-block's int32 sums take their 16 scales with one `vpmulld` (a Q4_K sub-block
 // sum reaches 32 * 15 * 127, past int16, so no `vpmaddwd` trick here); the float work, the mins
 // and Q6_K's -32 are paid once per super-block and 16 columns. The weights are unpacked once per
-// sub-block and used by all `Rows` activation rows, whose accumulators stay in registers.
+// sub-block and used by all `Rows` (1 to 16) activation rows, whose accumulators stay in registers.
 
 inline __m512i broadcast4(const int8_t* x) {  // x[0..3] in every int32 lane (an m32bcst operand)
   int32_t v;
@@ -294,6 +294,7 @@ void q4_k_r16_group(const TileArgs& a) {
         w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
       const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * s)));
+#pragma GCC unroll 16  // GCC leaves a loop, and the sums in memory, past 8 rows otherwise
       for (int r = 0; r < Rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b + 32 * s;
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(x));
@@ -342,6 +343,7 @@ void q6_k_r16_group(const TileArgs& a) {
       // scales are stored in int16-able pairs (groups 2p, 2p + 1): pick this group's half
       const __m512i pair = _mm512_cvtepi8_epi16(load256(block + 32 + 32 * (g / 2)));
       const __m512i scale = g % 2 ? _mm512_srai_epi32(pair, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+#pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b + 16 * g;
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(x));
@@ -365,18 +367,12 @@ void q6_k_r16_group(const TileArgs& a) {
 }
 
 // The row count as a template argument, so each row's accumulators are registers.
-template <template <int> class Group>
+template <template <int> class Group, int Rows = kMaxRows16>
 void by_rows(const TileArgs& a) {
-  switch (a.rows) {
-    case 1: return Group<1>::run(a);
-    case 2: return Group<2>::run(a);
-    case 3: return Group<3>::run(a);
-    case 4: return Group<4>::run(a);
-    case 5: return Group<5>::run(a);
-    case 6: return Group<6>::run(a);
-    case 7: return Group<7>::run(a);
-    default: return Group<8>::run(a);
+  if constexpr (Rows > 1) {
+    if (a.rows < Rows) return by_rows<Group, Rows - 1>(a);
   }
+  Group<Rows>::run(a);
 }
 
 template <int Rows>

@@ -186,10 +186,14 @@ struct ActLayout {
 };
 
 // One tile of the product: out[r * out_stride + n] = row r of the activations . weight row n,
-// for n in [n_begin, n_end) and r < rows (1 to kMaxRows). For the *_R16 types a tile is one
-// group: n_begin a multiple of 16, and n_end = n_begin + 16 except for the tail group. Each weight block is unpacked once
+// for n in [n_begin, n_end) and r < rows (1 to kMaxRows, or to kMaxRows16 for the *_R16 types).
+// For the *_R16 types a tile is one group: n_begin a multiple of 16, and n_end = n_begin + 16
+// except for the tail group. Each weight block is unpacked once
 // and multiplied with every row; a row's result is computed the same way whatever `rows` is.
 constexpr int kMaxRows = 8;
+// The 16-row layouts take up to 16 rows a pass: AVX512 holds their 16 accumulators in zmm, so
+// the weights are unpacked once for a whole verify of 16 (narrower variants split the pass).
+constexpr int kMaxRows16 = 16;
 
 struct TileArgs {
   const uint8_t* weights;  // [N, row_bytes]

@@ -130,14 +130,15 @@ at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t 
 
   const uint8_t* weights = blocks.data_ptr<uint8_t>();
   float* out_data = out.data_ptr<float>();
+  const int64_t rows_per_pass = is_rows16(int(qtype)) ? kMaxRows16 : kMaxRows;
   // Tiles start at multiples of 16 whatever the thread split (the *_R16 groups need it).
   at::parallel_for(0, (n + kTileColumns - 1) / kTileColumns, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin * kTileColumns; tile < std::min(end * kTileColumns, n); tile += kTileColumns) {
       const int64_t tile_end = std::min(tile + kTileColumns, n);
       const TileKernel run = tile_end - tile == kTileColumns ? kernel : tail_kernel;
-      for (int64_t r = 0; r < m; r += kMaxRows) {
+      for (int64_t r = 0; r < m; r += rows_per_pass) {
         TileArgs args{weights, blocks.size(1), blocks_per_row, tile, tile_end,
-                      acts.data() + r, int(std::min<int64_t>(kMaxRows, m - r)), out_data + r * n, n};
+                      acts.data() + r, int(std::min<int64_t>(rows_per_pass, m - r)), out_data + r * n, n};
         run(args);
       }
     }
@@ -169,6 +170,8 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks_in, int64_t qtype) {
   });
   return out;
 }
+
+namespace {
 
 // The variants whose kernels multiply the row-interleaved *_R16 layouts.
 bool runs_rows16(const std::string& variant) {
@@ -210,6 +213,8 @@ at::Tensor pack_q4_k_x_matrix(const at::Tensor& blocks) {
   });
   return out;
 }
+
+}  // namespace
 
 // The blocks in the layout `variant` (default: the best here) multiplies fastest, and their type.
 // layout "" is that best: Q4_K and Q6_K become Q4_K_R16 and Q6_K_R16 for every SIMD variant; "tiles"

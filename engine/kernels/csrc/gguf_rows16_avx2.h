@@ -157,8 +157,18 @@ void rows16_group(const TileArgs& a) {
   }
 }
 
+// The row count as a template argument; more than 8 rows (16 ymm registers) go 8 at a time.
 template <bool Q6, bool Vnni>
-void rows16_tile(const TileArgs& a) {  // the row count as a template argument
+void rows16_tile(const TileArgs& a) {
+  if (a.rows > kMaxRows) {
+    TileArgs first = a, rest = a;
+    first.rows = kMaxRows;
+    rest.rows = a.rows - kMaxRows;
+    rest.acts = a.acts + kMaxRows;
+    rest.out = a.out + kMaxRows * a.out_stride;
+    rows16_tile<Q6, Vnni>(first);
+    return rows16_tile<Q6, Vnni>(rest);
+  }
   switch (a.rows) {
     case 1: return rows16_group<1, Q6, Vnni>(a);
     case 2: return rows16_group<2, Q6, Vnni>(a);

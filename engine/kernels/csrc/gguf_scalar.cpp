@@ -171,7 +171,7 @@ void k_tile(const TileArgs& a) {
   // a *_R16 tile is one group: all 16 rows interleaved, or the per-row tail (gguf_blocks.h)
   for (int64_t n = a.n_begin; n < a.n_end; ++n) {
     const uint8_t* row = a.weights + n * a.weight_row_bytes;
-    float acc[kMaxRows] = {};
+    float acc[kMaxRows16] = {};
     for (int64_t b = 0; b < a.blocks; ++b) {
       KBlock w;
       if (is_rows16(QType)) {

@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import gguf
@@ -112,14 +113,11 @@ def run_case(
     inputs = {m: torch.randn(m, k) for m in rows}
     for label, (packed, packed_type, variant) in kernels.items():
         for m in rows:
-            calls[f"{label}|{m}"] = lambda x=inputs[m], b=packed, t=packed_type, v=variant: (
-                gguf_ops.mm(x, b, t, v)
-            )
+            calls[f"{label}|{m}"] = partial(gguf_ops.mm, inputs[m], packed, packed_type, variant)
     if n * k <= 1 << 25:
         dense = gguf_ops.dequantize(blocks, int(qtype)).to(torch.bfloat16)
         for m in rows:
-            x16 = inputs[m].bfloat16()
-            calls[f"torch bf16 F.linear|{m}"] = lambda x=x16, w=dense: F.linear(x, w)
+            calls[f"torch bf16 F.linear|{m}"] = partial(F.linear, inputs[m].bfloat16(), dense)
     medians = interleaved_medians(calls, repeats)
     print(f"\n{name} {n}x{k}, {megabytes:.2f} MB")
     print("| kernel | " + " | ".join(f"M = {m}: ms" for m in rows) + " | GB/s at M = 1 |")

@@ -259,7 +259,9 @@ void tile_32(const TileArgs& a) {
 // and Q6_K's -32 are paid once per super-block and 16 columns. The weights are unpacked once per
 // sub-block and used by all `Rows` (1 to 16) activation rows, whose accumulators stay in registers.
 
-inline __m512i broadcast4(const int8_t* x) {  // x[0..3] in every int32 lane (an m32bcst operand)
+// x[0..3] in every int32 lane: GCC 12 emits a `vpbroadcastd` load (a load-port uop, no ALU work)
+// rather than folding it into `vpdpbusd` as an m32bcst operand; either costs no shuffle.
+inline __m512i broadcast4(const int8_t* x) {
   int32_t v;
   std::memcpy(&v, x, 4);
   return _mm512_set1_epi32(v);

@@ -5,10 +5,12 @@
 //   gguf_dequantize(blocks [N, bytes per row] uint8, qtype) -> [N, K] float32
 //   gguf_variants() -> the ISA variants this CPU runs, best first ("avx512vnni", "avxvnni", "avx2",
 //                      "scalar")
+//   gguf_pack(blocks, qtype, variant, layout) -> (blocks in the variant's layout, their qtype)
 //
 // Each activation row is rounded to int8 on its own, then the weight rows are split across
-// torch's intra-op threads in tiles of 16; inside a tile, rows go 8 at a time, so every weight
-// block is unpacked once per 8 activation rows and stays in cache for the next 8. A row's result
+// torch's intra-op threads in tiles of 16 (starting at multiples of 16); inside a tile, rows go 8
+// at a time (16 for the 16-row layouts), so every weight block is unpacked once per pass of
+// activation rows and stays in cache for the next pass. A row's result
 // depends on neither the other rows nor the number of threads (batch invariance).
 // The variant is chosen here once, from what the CPU reports; Python chooses nothing but may
 // name one (the tests compare each against the scalar reference).

@@ -225,6 +225,8 @@ def test_a_real_tensor_against_gguf(name: str) -> None:
     w = gguf_reference(blocks, tensor.tensor_type)
     assert torch.equal(gguf_ops.dequantize(blocks, int(tensor.tensor_type)).double(), w)
     x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(7)).double()
-    got = gguf_ops.mm(x.float(), blocks, int(tensor.tensor_type)).double()
     want = x @ w.T
-    assert ((got - want).norm() / want.norm()).item() < 1e-2  # int8 activations: ~0.5% here
+    for layout in ("tiles", "rows16"):  # the file's rows, and 16-row groups (64 rows: 4 groups)
+        packed, qtype = gguf_ops.pack(blocks, int(tensor.tensor_type), layout=layout)
+        got = gguf_ops.mm(x.float(), packed, qtype).double()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2  # int8 activations: ~0.5% here

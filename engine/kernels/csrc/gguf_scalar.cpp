@@ -254,33 +254,49 @@ void pack_q4_k_x(const uint8_t* block, uint8_t* out) {
   }
 }
 
+namespace {
+
+// Column j of a Q4_K_R16 super-block from its unpacked Q4_K block (the inverse of unpack_q4_k_r16).
+void pack_q4_k_r16_column(const uint8_t* file_block, const KBlock& w, int j, uint8_t* out) {
+  std::memcpy(out + 2 * j, file_block, 2);            // d, as the file's f16
+  std::memcpy(out + 32 + 2 * j, file_block + 2, 2);   // dmin
+  for (int s = 0; s < 8; ++s) {
+    out[64 + 16 * s + j] = uint8_t(w.scale[2 * s]);
+    out[192 + 32 * (s / 2) + 2 * j + s % 2] = uint8_t(w.min[2 * s]);
+    for (int c = 0; c < 4; ++c) {
+      for (int i = 0; i < 4; ++i) {
+        const int value = 32 * s + 4 * c + i;
+        out[320 + 256 * s + 64 * c + 4 * j + i] = uint8_t(w.q[value] | w.q[value + 16] << 4);
+      }
+    }
+  }
+}
+
+// Column j of a Q6_K_R16 super-block from its unpacked Q6_K block (the inverse of unpack_q6_k_r16).
+void pack_q6_k_r16_column(const uint8_t* file_block, const KBlock& w, int j, uint8_t* out) {
+  std::memcpy(out + 2 * j, file_block + 208, 2);  // d, as the file's f16
+  for (int g = 0; g < 16; ++g) {
+    out[32 + 32 * (g / 2) + 2 * j + g % 2] = uint8_t(w.scale[g]);
+    uint8_t* group = out + 288 + 192 * g;
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* q = w.q + 16 * g + i;  // q[4k]: the group's value 4k + i
+      group[4 * j + i] = uint8_t((q[0] & 15) | (q[4] & 15) << 4);
+      group[64 + 4 * j + i] = uint8_t((q[8] & 15) | (q[12] & 15) << 4);
+      group[128 + 4 * j + i] = uint8_t(q[0] >> 4 | (q[4] >> 4) << 2 | (q[8] >> 4) << 4 | (q[12] >> 4) << 6);
+    }
+  }
+}
+
+}  // namespace
+
 void pack_rows16(int qtype, const uint8_t* rows, int64_t row_bytes, int64_t b, uint8_t* out) {
-  const bool q4 = qtype == Q4_K;
-  const int block_bytes = q4 ? 144 : 210;
+  const int block_bytes = qtype == Q4_K ? 144 : 210;
   for (int j = 0; j < kGroupRows; ++j) {
     const uint8_t* block = rows + j * row_bytes + b * block_bytes;
     KBlock w;
     unpack_k(qtype, block, &w);
-    std::memcpy(out + 2 * j, block + (q4 ? 0 : 208), 2);  // d, as the file's f16
-    if (q4) std::memcpy(out + 32 + 2 * j, block + 2, 2);  // dmin
-    for (int g = 0; g < 16; g += 2) {
-      if (q4) out[64 + 8 * g + j] = uint8_t(w.scale[g]);
-      if (q4) out[192 + 32 * (g / 4) + 2 * j + g / 2 % 2] = uint8_t(w.min[g]);
-      if (!q4) out[32 + 16 * g + 2 * j] = uint8_t(w.scale[g]), out[33 + 16 * g + 2 * j] = uint8_t(w.scale[g + 1]);
-    }
-    for (int i = 0; i < 256; ++i) {  // value i of column j: where the layout puts it
-      if (q4) {
-        const int s = i / 32, c = i % 16 / 4, high = i % 32 / 16;
-        uint8_t& byte = out[320 + 256 * s + 64 * c + 4 * j + i % 4];
-        byte = uint8_t(high ? (byte & 15) | w.q[i] << 4 : w.q[i]);
-      } else {
-        const int g = i / 16, k = i % 16 / 4;
-        uint8_t& low = out[288 + 192 * g + 64 * (k / 2) + 4 * j + i % 4];
-        low = uint8_t(k % 2 ? (low & 15) | (w.q[i] & 15) << 4 : w.q[i] & 15);
-        uint8_t& high = out[288 + 192 * g + 128 + 4 * j + i % 4];
-        high = uint8_t((k ? high : 0) | (w.q[i] >> 4) << (2 * k));
-      }
-    }
+    if (qtype == Q4_K) pack_q4_k_r16_column(block, w, j, out);
+    else pack_q6_k_r16_column(block, w, j, out);
   }
 }
 

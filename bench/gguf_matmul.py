@@ -1,20 +1,26 @@
-"""One matrix through the native GGUF kernel, per ISA variant and row count: ms and GB/s of
-weights read (steadier than a whole forward on a busy host).
+"""Matrices through the native GGUF kernel, per ISA variant, layout and row count: median ms,
+GB/s of weights read and the cost of M rows over one row (steadier than a whole forward on a
+busy host). Every kernel of a case is timed in turn inside each repeat (interleaved), so a
+change in the host's load hits them alike.
 
-    python -m bench.gguf_matmul --threads 2 --rows 1,4,8,16           # 8960 x 1536 Q4_K
-    python -m bench.gguf_matmul --type Q6_K --shape 1536x8960 --rows 1,8 --variants avx2
+    python -m bench.gguf_matmul --threads 2                     # Q4_K and Q6_K 8960 x 1536, lm_head
+    python -m bench.gguf_matmul --cases Q4_K:8960x1536 --rows 1,8 --variants avx2
 
-The matrix is random but well-formed blocks of the type; the kernel's cost does not depend on
-the values. torch's bf16 F.linear on the same matrix is printed beside it for scale.
+`--layouts tiles,rows16` sets the layouts compared: "tiles" the per-row ones (Q4_K_X for
+avx512vnni), "rows16" 16 weight rows interleaved (Q4_K_R16, Q6_K_R16). The matrix is random but
+well-formed blocks of the type; the kernel's cost does not depend on the values. torch's bf16
+F.linear on the same matrix is printed beside it for scale (matrices up to 2^25 values).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import gguf
@@ -61,54 +67,99 @@ def random_matrix(qtype: gguf.GGMLQuantizationType, n: int, k: int) -> torch.Ten
     return torch.from_numpy(raw.reshape(n, -1))
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
+def timed_ms(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+    return (time.perf_counter() - started) * 1000
+
+
+def interleaved_medians(kernels: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms of each kernel, all of them run once per repeat in turn (after one warm run)."""
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for fn in kernels.values():
         fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
+    for _ in range(repeats):
+        for name, fn in kernels.items():
+            times[name].append(timed_ms(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def case_kernels(
+    qtype: gguf.GGMLQuantizationType, blocks: torch.Tensor, variants: list[str], layouts: list[str]
+) -> dict[str, tuple[torch.Tensor, int, str]]:
+    """label -> (packed blocks, type id, variant) for each variant x layout that differs."""
+    out: dict[str, tuple[torch.Tensor, int, str]] = {}
+    for variant in variants:
+        for layout in layouts:
+            packed, packed_type = gguf_ops.pack(blocks, int(qtype), variant, layout)
+            if layout == "rows16" and packed_type == int(qtype):
+                continue  # no interleaved layout for this type
+            if layout == "rows16" and variant not in ("avx512vnni", "avxvnni", "avx2", "scalar"):
+                continue  # no kernel for it in this variant
+            out[f"{variant} {layout}"] = (packed, packed_type, variant)
+    return out
+
+
+def run_case(
+    case: str, rows: list[int], variants: list[str], layouts: list[str], repeats: int
+) -> None:
+    name, shape = case.split(":")
+    qtype = gguf.GGMLQuantizationType[name]
+    n, k = (int(v) for v in shape.split("x"))
+    blocks = random_matrix(qtype, n, k)
+    megabytes = blocks.numel() / 1e6
+    kernels = case_kernels(qtype, blocks, variants, layouts)
+    calls: dict[str, Callable[[], object]] = {}
+    inputs = {m: torch.randn(m, k) for m in rows}
+    for label, (packed, packed_type, variant) in kernels.items():
+        for m in rows:
+            calls[f"{label}|{m}"] = partial(gguf_ops.mm, inputs[m], packed, packed_type, variant)
+    if n * k <= 1 << 25:
+        dense = gguf_ops.dequantize(blocks, int(qtype)).to(torch.bfloat16)
+        for m in rows:
+            calls[f"torch bf16 F.linear|{m}"] = partial(F.linear, inputs[m].bfloat16(), dense)
+    medians = interleaved_medians(calls, repeats)
+    print(f"\n{name} {n}x{k}, {megabytes:.2f} MB")
+    print("| kernel | " + " | ".join(f"M = {m}: ms" for m in rows) + " | GB/s at M = 1 |")
+    print("|---|" + "---:|" * (len(rows) + 1))
+    for label in dict.fromkeys(key.split("|")[0] for key in calls):
+        one = medians[f"{label}|{rows[0]}"]
+        cells = [
+            f"{medians[f'{label}|{m}']:.3f} ({medians[f'{label}|{m}'] / one:.2f}x)" for m in rows
+        ]
+        print(f"| {label} | " + " | ".join(cells) + f" | {megabytes / one:.1f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--type", default="Q4_K")
-    ap.add_argument("--shape", default="8960x1536", help="N x K (out x in)")
-    ap.add_argument("--rows", default="1,4,8,16")
+    ap.add_argument(
+        "--cases",
+        default="Q4_K:8960x1536,Q6_K:8960x1536,Q6_K:151936x1536",
+        help="TYPE:NxK (out x in), comma-separated",
+    )
+    ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--variants", default="", help="comma-separated; default: every one here")
+    ap.add_argument("--variants", default="", help="comma-separated; default: every SIMD one here")
+    ap.add_argument("--layouts", default="tiles,rows16")
     args = ap.parse_args(argv)
     if not gguf_ops.available():
         print("native kernels unavailable", file=sys.stderr)
         return 1
     torch.set_num_threads(args.threads)
-    qtype = gguf.GGMLQuantizationType[args.type]
-    n, k = (int(v) for v in args.shape.split("x"))
-    blocks = random_matrix(qtype, n, k)
-    dense = gguf_ops.dequantize(blocks, int(qtype)).to(torch.bfloat16)
+    variants = (
+        args.variants.split(",")
+        if args.variants
+        else [v for v in gguf_ops.variants() if v != "scalar"]
+    )
     rows = [int(m) for m in args.rows.split(",")]
     print(
-        f"CPU: {cpu_flags()}; {args.threads} threads; {args.type} {n}x{k}, {blocks.numel() / 1e6:.2f} MB"
+        f"CPU: {cpu_flags()}; {args.threads} threads; load average {os.getloadavg()[0]:.2f} "
+        f"(1 min) at start; medians of {args.repeats}, (x) = ms / ms at M = {rows[0]}"
     )
-    print("| kernel | " + " | ".join(f"M = {m}: ms (GB/s)" for m in rows) + " |")
-    print("|---|" + "---:|" * len(rows))
-    for variant in args.variants.split(",") if args.variants else gguf_ops.variants():
-        cells = []
-        for m in rows:
-            x = torch.randn(m, k)
-            ms = median_ms(
-                lambda x=x, v=variant: gguf_ops.mm(x, blocks, int(qtype), v), args.repeats
-            )
-            cells.append(f"{ms:.3f} ({blocks.numel() / ms / 1e6:.1f})")
-        print(f"| gguf {variant} | " + " | ".join(cells) + " |")
-    cells = []
-    for m in rows:
-        x = torch.randn(m, k, dtype=torch.bfloat16)
-        ms = median_ms(lambda x=x: F.linear(x, dense), args.repeats)
-        cells.append(f"{ms:.3f} ({dense.numel() * 2 / ms / 1e6:.1f})")
-    print("| torch bf16 F.linear | " + " | ".join(cells) + " |")
+    for case in args.cases.split(","):
+        run_case(case, rows, variants, args.layouts.split(","), args.repeats)
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min) at end")
     return 0
 
 

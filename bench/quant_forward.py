@@ -7,6 +7,8 @@ medians over rounds:
     python -m bench.quant_forward --threads 1 --rows 1,2,3,4,5,8 --prefill 512
     python -m bench.quant_forward --threads 2 --modes auto,w8a8,w8a8-fast --rows 1,2,4,8,16
     python -m bench.quant_forward --threads 2 --modes gguf,w8a8,auto --rows 1,2,4,8,16 --prefill 512
+    python -m bench.quant_forward --threads 2 --modes gguf --gguf-layouts tiles,rows16 \
+        --rows 1,2,4,8,16 --prefill 0   # the kernels' per-row and 16-row-interleaved layouts
     python -m bench.quant_forward --model bundled:qwen2.5-coder-0.5b-instruct --modes w8a8-fast \
         --head-rows 0,32768,65536 --rows 1,2 --prefill 0   # a draft's limited head
     python -m bench.quant_forward --model bundled:qwen2.5-coder-0.5b-instruct --modes w8a8-fast \
@@ -25,6 +27,7 @@ import torch
 
 from bench.gguf_matmul import cpu_flags
 from engine.model.loader import load_model
+from engine.model.quant import native
 from engine.model.runner import ForwardInput, ModelRunner
 
 _CACHED = 64  # tokens already in the KV cache when the measured rows are computed
@@ -67,19 +70,34 @@ def main(argv: list[str] | None = None) -> int:
         default="0",
         help="0 (eager layers), 1 (DecodeGraph: one request's decode compiled), or both: 0,1",
     )
+    ap.add_argument(
+        "--gguf-layouts",
+        default="",
+        help="for mode gguf: weight layouts to compare, one runner each (tiles, rows16; '': best)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_flags()}; {args.threads} threads", file=sys.stderr)
     rows = [int(m) for m in args.rows.split(",")]
     loaded = load_model(args.model, "auto")
-    runners = {
-        mode + (f", head {head}" if head else "") + (", compiled" if compiled else ""): ModelRunner(
-            replace(loaded, quantization=mode), "cpu", "bfloat16", 16, head or None, compiled
-        )
-        for mode in args.modes.split(",")
-        for head in (int(h) for h in args.head_rows.split(","))
-        for compiled in (c == "1" for c in args.compile.split(","))
-    }
+    runners = {}
+    for mode in args.modes.split(","):
+        for layout in args.gguf_layouts.split(",") if mode == "gguf" else [""]:
+            native.pack_layout = layout  # read as the runner's layers load
+            for head in (int(h) for h in args.head_rows.split(",")):
+                for compiled in (c == "1" for c in args.compile.split(",")):
+                    name = (
+                        mode + (f" {layout}" if layout else "") + (f", head {head}" if head else "")
+                    )
+                    runners[name + (", compiled" if compiled else "")] = ModelRunner(
+                        replace(loaded, quantization=mode),
+                        "cpu",
+                        "bfloat16",
+                        16,
+                        head or None,
+                        compiled,
+                    )
+    native.pack_layout = ""
     blocks = -(-max(_CACHED + max(rows), args.prefill) // 16) + 1
     for runner in runners.values():
         runner.allocate_kv_cache(blocks)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
-ALL_VARIANTS = ["avx512vnni", "avx2", "scalar"]
+ALL_VARIANTS = ["avx512vnni", "avxvnni", "avx2", "scalar"]
 
 
 def variant_param(name: str) -> object:
@@ -35,22 +35,31 @@ def variant_param(name: str) -> object:
 
 
 VARIANTS = [variant_param(name) for name in ALL_VARIANTS]
-# The file's formats, and Q4_K repacked at load for the AVX512-VNNI kernel (which the scalar
-# reference also multiplies, on any CPU).
-FORMS = [t.name for t in TYPES] + ["Q4_K_X"]
+# The file's formats and the layouts repacked at load (which the scalar reference also
+# multiplies, on any CPU): Q4_K_X for the AVX512-VNNI tiles, Q4_K / Q6_K with 16 rows interleaved.
+PACKED = {
+    "Q4_K_X": (T.Q4_K, "tiles"),
+    "Q4_K_R16": (T.Q4_K, "rows16"),
+    "Q6_K_R16": (T.Q6_K, "rows16"),
+}
+FORMS = [t.name for t in TYPES] + list(PACKED)
+ROWS16_VARIANTS = {"avx512vnni", "avxvnni", "avx2", "scalar"}  # those with kernels for the interleaved layouts
 
 
 def file_type(form: str) -> T:
-    return T.Q4_K if form == "Q4_K_X" else T[form]
+    return PACKED[form][0] if form in PACKED else T[form]
 
 
 def operands(form: str, blocks: torch.Tensor, variant: str) -> tuple[torch.Tensor, int]:
     """The blocks as `variant` multiplies them for this form, and the type id to pass."""
-    if form != "Q4_K_X":
+    if form not in PACKED:
         return blocks, int(T[form])
-    if variant == "avx2":
-        pytest.skip("Q4_K_X is the avx512vnni layout; avx2 multiplies Q4_K as stored")
-    return gguf_ops.pack(blocks, int(T.Q4_K), "avx512vnni")
+    if form == "Q4_K_X" and variant in ("avx2", "avxvnni"):
+        pytest.skip(f"Q4_K_X is the avx512vnni layout; {variant} multiplies Q4_K as stored")
+    if form != "Q4_K_X" and variant not in ROWS16_VARIANTS:
+        pytest.skip(f"{variant} has no kernel for the 16-row layouts")
+    qtype, layout = PACKED[form]
+    return gguf_ops.pack(blocks, int(qtype), "avx512vnni", layout)
 
 
 def gguf_reference(blocks: torch.Tensor, qtype: T) -> torch.Tensor:  # [N, K] float64
@@ -117,10 +126,42 @@ def test_dequantize_equals_gguf(form: str) -> None:
     assert torch.equal(ours, gguf_reference(blocks, qtype))
 
 
+@pytest.mark.parametrize("n", [16, 37, 5])
+@pytest.mark.parametrize("form", ["Q4_K_R16", "Q6_K_R16"])
+def test_rows16_layout_moves_every_value(form: str, n: int) -> None:
+    """Full groups of 16 rows, a tail of N % 16 rows, or only a tail: each weight row dequantizes
+    to the file's row, and the packed tensor keeps one row per weight row."""
+    qtype, layout = PACKED[form]
+    blocks = random_blocks(qtype, n, 512, seed=8)
+    packed, packed_type = gguf_ops.pack(blocks, int(qtype), "avx512vnni", layout)
+    assert packed_type == getattr(gguf_ops, form) and packed.shape[0] == n
+    ours = gguf_ops.dequantize(packed, packed_type).double()
+    assert torch.equal(ours, gguf_reference(blocks, qtype))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q8_0", "Q4_K_X"])
+@pytest.mark.parametrize("form", ["Q4_K_R16", "Q6_K_R16"])
+@pytest.mark.parametrize("k", [256, 1024])
+def test_rows16_equals_the_per_row_layout_exactly_in_integers(
+    form: str, variant: str, k: int
+) -> None:
+    """K of one block and of four, N = 16 * 3 + 7 (a tail): exact products as in
+    test_integer_products_are_exact, so the interleaved kernel must equal the reference bit for bit."""
+    n = 55
+    qtype = file_type(form)
+    blocks = random_blocks(qtype, n, k, seed=9, scale=2.0**-10)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randint(-5, 6, (9, k), generator=gen).float()
+    x[:, ::256] = 127.0
+    got = gguf_ops.mm(x, *operands(form, blocks, variant), variant)
+    want = x.double() @ gguf_reference(blocks, qtype).T
+    assert torch.equal(got.double(), want)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q8_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16"])
 def test_a_row_is_the_same_alone_or_in_any_batch(form: str, variant: str) -> None:
-    k, n = 512, 37
+    k, n = 512, 37  # two full groups of 16 and a tail of 5
     blocks, qtype = operands(form, random_blocks(file_type(form), n, k, seed=5), variant)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
     alone = torch.cat([gguf_ops.mm(x[i : i + 1], blocks, qtype, variant) for i in range(16)])
@@ -130,7 +171,7 @@ def test_a_row_is_the_same_alone_or_in_any_batch(form: str, variant: str) -> Non
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_X"])
+@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16"])
 def test_two_activation_passes(form: str, variant: str) -> None:
     """The second pass rounds what the first left: within the bound of a rounding of the
     residual (its amax / 254 per block, ~1/127 of the first's), a row the same alone or in any
@@ -158,16 +199,16 @@ def test_two_activation_passes(form: str, variant: str) -> None:
     assert ((two - ref).abs() <= 1e-5 * (x.double().abs() @ w.abs().T)).all()
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0], ids=lambda t: t.name)
-def test_one_and_two_threads_agree(qtype: T) -> None:
-    blocks = random_blocks(qtype, 300, 512, seed=6)
+@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_R16", "Q6_K_R16"])
+def test_one_and_two_threads_agree(form: str) -> None:
+    blocks, qtype = operands(form, random_blocks(file_type(form), 300, 512, seed=6), "avx512vnni")
     x = torch.randn(11, 512, generator=torch.Generator().manual_seed(6))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = gguf_ops.mm(x, blocks, int(qtype))
+        one = gguf_ops.mm(x, blocks, qtype)
         torch.set_num_threads(2)
-        two = gguf_ops.mm(x, blocks, int(qtype))
+        two = gguf_ops.mm(x, blocks, qtype)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -213,6 +254,8 @@ def test_a_real_tensor_against_gguf(name: str) -> None:
     w = gguf_reference(blocks, tensor.tensor_type)
     assert torch.equal(gguf_ops.dequantize(blocks, int(tensor.tensor_type)).double(), w)
     x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(7)).double()
-    got = gguf_ops.mm(x.float(), blocks, int(tensor.tensor_type)).double()
     want = x @ w.T
-    assert ((got - want).norm() / want.norm()).item() < 1e-2  # int8 activations: ~0.5% here
+    for layout in ("tiles", "rows16"):  # the file's rows, and 16-row groups (64 rows: 4 groups)
+        packed, qtype = gguf_ops.pack(blocks, int(tensor.tensor_type), layout=layout)
+        got = gguf_ops.mm(x.float(), packed, qtype).double()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2  # int8 activations: ~0.5% here

@@ -23,8 +23,10 @@ FILE_FORMATS: dict[int, tuple[int, int]] = {
     13: (256, 176),
     14: (256, 210),
 }
-Q4_K_X = 1012  # Q4_K repacked at load for the AVX512-VNNI kernel (never in a file)
-FORMATS = {**FILE_FORMATS, Q4_K_X: (256, 148)}
+Q4_K_X = 1012  # Q4_K repacked per row at load for the AVX512-VNNI tiles (never in a file)
+Q4_K_R16 = 1013  # Q4_K / Q6_K with 16 rows interleaved at load (gguf_blocks.h; never in a file)
+Q6_K_R16 = 1014
+FORMATS = {**FILE_FORMATS, Q4_K_X: (256, 148), Q4_K_R16: (256, 148), Q6_K_R16: (256, 210)}
 
 
 @cache
@@ -48,12 +50,16 @@ def supports(qtype: int, in_features: int) -> bool:
     return qtype in FILE_FORMATS and in_features % FILE_FORMATS[qtype][0] == 0
 
 
-def pack(blocks: torch.Tensor, qtype: int, variant: str = "") -> tuple[torch.Tensor, int]:
+def pack(
+    blocks: torch.Tensor, qtype: int, variant: str = "", layout: str = ""
+) -> tuple[torch.Tensor, int]:
     """The blocks in the layout the variant (default: the best here) runs fastest, and its type
-    id: Q4_K is repacked for AVX512-VNNI (+3% bytes); other types come back unchanged."""
+    id: for AVX512-VNNI, Q4_K and Q6_K get 16 rows interleaved (Q4_K_R16 +3% bytes, Q6_K_R16);
+    other types come back unchanged. `layout` "tiles" keeps the per-row layouts (Q4_K_X for
+    AVX512-VNNI) and "rows16" asks for the interleaved ones: for tests and benchmarks."""
     if not available():
         raise RuntimeError("the native kernels are not available here")
-    packed, packed_type = torch.ops.specserve_kernels.gguf_pack(blocks, qtype, variant)
+    packed, packed_type = torch.ops.specserve_kernels.gguf_pack(blocks, qtype, variant, layout)
     return packed, int(packed_type)
 
 

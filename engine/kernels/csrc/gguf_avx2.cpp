@@ -14,7 +14,8 @@
 
 #pragma GCC target("avx2,fma,f16c")
 
-#include "gguf_dequant.h"  // after the pragma: compiled for this target
+#include "gguf_dequant.h"      // after the pragma: compiled for this target
+#include "gguf_rows16_avx2.h"  // the 16-row layouts' kernels, here without AVX-VNNI
 
 namespace specserve::gguf {
 namespace {
@@ -185,12 +186,14 @@ void tile_32(const TileArgs& a) {
   }
 }
 
+
 }  // namespace
 
 Variant avx2_variant() {
   return {"avx2",          tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
           q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     nullptr,
-          kNatural,         kNatural,        dequantize_row_impl};
+          rows16_tile<false, false>, rows16_tile<true, false>,
+          kNatural,         kNatural,        dequantize_row_impl, dequantize_group_impl};
 }
 
 }  // namespace specserve::gguf

@@ -250,12 +250,150 @@ void tile_32(const TileArgs& a) {
   }
 }
 
+
+// ---- Row-interleaved layouts (Q4_K_R16, Q6_K_R16; gguf_blocks.h): lane j is output column j ----
+//
+// Each `vpdpbusd` takes 4 K values of 16 columns and one group of 4 activations broadcast to
+// every lane. A sub-block's int32 sums take their 16 scales with one `vpmulld` (a Q4_K sub-block
+// sum reaches 32 * 15 * 127, past int16, so no `vpmaddwd` trick here); the float work, the mins
+// and Q6_K's -32 are paid once per super-block and 16 columns. The weights are unpacked once per
+// sub-block and used by all `Rows` (1 to 16) activation rows, whose accumulators stay in registers.
+
+// x[0..3] in every int32 lane: GCC 12 emits a `vpbroadcastd` load (a load-port uop, no ALU work)
+// rather than folding it into `vpdpbusd` as an m32bcst operand; either costs no shuffle.
+inline __m512i broadcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512i broadcast_pair(const int16_t* sums) {  // sums[0], sums[1] in every int32 lane
+  int32_t v;
+  std::memcpy(&v, sums, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 load_halves(const uint8_t* p) {  // 16 f16 -> 16 floats
+  return _mm512_cvtph_ps(load256(p));
+}
+
+// One group of 16 columns x Rows rows, Q4_K_R16.
+template <int Rows>
+void q4_k_r16_group(const TileArgs& a) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* group = a.weights + a.n_begin * a.weight_row_bytes;
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* block = group + b * (16 * 148);
+    __m512i sum[Rows];  // [16 columns] per row: sum over sub-blocks of scale * (q . x)
+    for (int r = 0; r < Rows; ++r) sum[r] = _mm512_setzero_si512();
+    for (int s = 0; s < 8; ++s) {
+      __m512i w[8];  // w[t]: values 32s + 4t .. + 3 of the 16 columns
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = load(block + 320 + 256 * s + 64 * c);
+        w[c] = _mm512_and_si512(v, nibble);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * s)));
+#pragma GCC unroll 16  // GCC leaves a loop, and the sums in memory, past 8 rows otherwise
+      for (int r = 0; r < Rows; ++r) {
+        const int8_t* x = a.acts[r].q + 256 * b + 32 * s;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(x));
+        for (int t = 1; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], broadcast4(x + 4 * t));
+        sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(dot, scale));
+      }
+    }
+    __m512i mins[4];  // int16 pairs: column j's mins of sub-blocks 2p, 2p + 1
+    for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(load256(block + 192 + 32 * p));
+    const __m512 d = load_halves(block), dmin = load_halves(block + 32);
+    for (int r = 0; r < Rows; ++r) {
+      const int16_t* pair_sums = a.acts[r].pair_sums + 8 * b;
+      __m512i low = _mm512_madd_epi16(mins[0], broadcast_pair(pair_sums));
+      for (int p = 1; p < 4; ++p) low = _mm512_add_epi32(low, _mm512_madd_epi16(mins[p], broadcast_pair(pair_sums + 2 * p)));
+      const __m512 xd = _mm512_set1_ps(a.acts[r].d[b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(d, xd), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(low), _mm512_mul_ps(dmin, xd), acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(a.out + r * a.out_stride + a.n_begin, acc[r]);
+}
+
+// One group of 16 columns x Rows rows, Q6_K_R16.
+template <int Rows>
+void q6_k_r16_group(const TileArgs& a) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i top = _mm512_set1_epi8(0x30);
+  const uint8_t* group = a.weights + a.n_begin * a.weight_row_bytes;
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* block = group + b * (16 * 210);
+    __m512i sum[Rows];  // [16 columns] per row: sum over groups of scale * (q . x), q in 0..63
+    for (int r = 0; r < Rows; ++r) sum[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 16; ++g) {
+      const uint8_t* values = block + 288 + 192 * g;
+      const __m512i low0 = load(values), low1 = load(values + 64), high = load(values + 128);
+      // w[k]: values 16g + 4k .. + 3; the two high bits of k sit at bits 2k, 2k + 1 of `high`
+      // (0xF8: a | (b & c), the nibble or'ed with the masked high bits in one instruction)
+      const __m512i w[4] = {
+          _mm512_ternarylogic_epi32(_mm512_and_si512(low0, nibble), _mm512_slli_epi16(high, 4), top, 0xF8),
+          _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(low0, 4), nibble), _mm512_slli_epi16(high, 2), top, 0xF8),
+          _mm512_ternarylogic_epi32(_mm512_and_si512(low1, nibble), high, top, 0xF8),
+          _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(low1, 4), nibble), _mm512_srli_epi16(high, 2), top, 0xF8),
+      };
+      // scales are stored in int16-able pairs (groups 2p, 2p + 1): pick this group's half
+      const __m512i pair = _mm512_cvtepi8_epi16(load256(block + 32 + 32 * (g / 2)));
+      const __m512i scale = g % 2 ? _mm512_srai_epi32(pair, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        const int8_t* x = a.acts[r].q + 256 * b + 16 * g;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(x));
+        for (int k = 1; k < 4; ++k) dot = _mm512_dpbusd_epi32(dot, w[k], broadcast4(x + 4 * k));
+        sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(dot, scale));
+      }
+    }
+    __m512i scales[8];  // int16 pairs: column j's scales of groups 2p, 2p + 1
+    for (int p = 0; p < 8; ++p) scales[p] = _mm512_cvtepi8_epi16(load256(block + 32 + 32 * p));
+    const __m512 d = load_halves(block);
+    for (int r = 0; r < Rows; ++r) {
+      // the -32 of every value: 32 * sum over groups of scale * (sum of the group's x)
+      const int16_t* sums = a.acts[r].sums + 16 * b;
+      __m512i offset = _mm512_madd_epi16(scales[0], broadcast_pair(sums));
+      for (int p = 1; p < 8; ++p) offset = _mm512_add_epi32(offset, _mm512_madd_epi16(scales[p], broadcast_pair(sums + 2 * p)));
+      const __m512i exact = _mm512_sub_epi32(sum[r], _mm512_slli_epi32(offset, 5));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, _mm512_set1_ps(a.acts[r].d[b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(a.out + r * a.out_stride + a.n_begin, acc[r]);
+}
+
+// The row count as a template argument, so each row's accumulators are registers.
+template <template <int> class Group, int Rows = kMaxRows16>
+void by_rows(const TileArgs& a) {
+  if constexpr (Rows > 1) {
+    if (a.rows < Rows) return by_rows<Group, Rows - 1>(a);
+  }
+  Group<Rows>::run(a);
+}
+
+template <int Rows>
+struct Q4KRows16 {
+  static void run(const TileArgs& a) { q4_k_r16_group<Rows>(a); }
+};
+
+template <int Rows>
+struct Q6KRows16 {
+  static void run(const TileArgs& a) { q6_k_r16_group<Rows>(a); }
+};
+
 }  // namespace
 
 Variant avx512_variant() {
   return {"avx512vnni",     tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
           q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     q4_k_x_tile,
-          kNibbleHalves,    kSubblockLanes,  dequantize_row_impl};
+          by_rows<Q4KRows16>, by_rows<Q6KRows16>,
+          kNibbleHalves,    kSubblockLanes,  dequantize_row_impl, dequantize_group_impl};
 }
 
 }  // namespace specserve::gguf

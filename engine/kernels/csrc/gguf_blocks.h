@@ -25,11 +25,35 @@
 //                            then holds 8 values of every sub-block (lanes 2s, 2s + 1: sub-block s),
 //                            so a block's four `vpdpbusd` accumulate in one register.
 //
+// Row-interleaved layouts (load-time too, for the SIMD variants): the SIMD lanes run across 16
+// output columns instead of along K, so one `vpdpbusd` multiplies 4 consecutive K values of 16
+// weight rows (64 bytes, int32 lane j = column j) by one broadcast group of 4 activations, and
+// every per-block cost (scales, conversion, float multiply-add) is paid once per 16 columns.
+// Rows 16G..16G+15 (a group) are stored together: the group's 16 * row_bytes bytes are its
+// super-blocks b = 0, 1, ... one after the other, each the 16 columns' block b interleaved as
+// below (j = column 0..15, i = 0..3). The last N % 16 rows (a partial group) stay in the
+// per-row form named as their tail, so the tensor is still [N, row_bytes].
+//   Q4_K_R16 2368 B (16 x 148) per super-block, tail rows as Q4_K_X:
+//     [0, 32)      d[j] (f16)             [32, 64)   dmin[j] (f16)
+//     [64, 192)    sc: byte 16s + j = sub-block s's 6-bit scale of column j, s = 0..7
+//     [192, 320)   m: byte 32p + 2j + t = min of sub-block 2p + t of column j (pairs, so one
+//                  `vpmaddwd` against the activations' per-32 sums takes two sub-blocks)
+//     [320, 2368)  qs: byte 256s + 64c + 4j + i: low nibble = value 32s + 4c + i,
+//                  high nibble = value 32s + 16 + 4c + i of column j (c = 0..3)
+//   Q6_K_R16 3360 B (16 x 210) per super-block, tail rows as Q6_K:
+//     [0, 32)      d[j] (f16)
+//     [32, 288)    sc: byte 32p + 2j + t = int8 scale of group 2p + t (16 values) of column j
+//     [288, 3360)  group g = 0..15 at 288 + 192g: ql at +0, +64 (c = 0, 1): byte 64c + 4j + i
+//                  has value 16g + 8c + i in its low and 16g + 8c + 4 + i in its high nibble;
+//                  qh at +128: byte 4j + i has bits 2k, 2k + 1 = bits 4, 5 of value 16g + 4k + i
+// The values are unsigned as in the file (0..15, 0..63: Q6_K's -32 is applied with the
+// activation sums), which is the operand order `vpdpbusd` takes.
+//
 // Activations: each row is rounded on its own (so a row's result never depends on its batch):
 // per block of 256 (K-quants) or 32 values, d = max|x| / 127 and q = nearbyint(x / d) in
-// -127..127. A row is stored as [q: K int8][sums: K/16 int16, dsums: K/32 float (K-quants)]
-// [d: one float per block, each repeated 8 times for the 32-value formats so a SIMD lane reads
-// its own]; see ActLayout.
+// -127..127. A row is stored as [q: K int8][K-quants: sums: K/16 int16 per 16 values, dsums:
+// K/32 float, pair_sums: K/32 int16 per 32 values][d: one float per block, each repeated 8 times
+// for the 32-value formats so a SIMD lane reads its own]; see ActLayout.
 // Every integer product of a weight block and an activation block is exact in int32; variants
 // differ only in the order their float accumulation adds the blocks' products.
 //
@@ -43,7 +67,8 @@
 namespace specserve::gguf {
 
 // GGML's type ids, the numbers the file and gguf-py use.
-enum QType : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_K_X = 1012 };
+enum QType : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_K_X = 1012,
+             Q4_K_R16 = 1013, Q6_K_R16 = 1014 };
 
 struct Format {
   int block_values;  // weights per block
@@ -59,13 +84,22 @@ static inline bool format_of(int qtype, Format* out) {
     case Q5_K: *out = {256, 176}; return true;
     case Q6_K: *out = {256, 210}; return true;
     case Q4_K_X: *out = {256, 148}; return true;
+    case Q4_K_R16: *out = {256, 148}; return true;
+    case Q6_K_R16: *out = {256, 210}; return true;
     default: return false;
   }
 }
 
+constexpr int kGroupRows = 16;  // weight rows interleaved by the *_R16 layouts
+
+static inline bool is_rows16(int qtype) { return qtype == Q4_K_R16 || qtype == Q6_K_R16; }
+
 static inline bool is_k_quant(int qtype) {
-  return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == Q4_K_X;
+  return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == Q4_K_X || is_rows16(qtype);
 }
+
+// The form of a row-interleaved type's last N % 16 rows.
+static inline int rows16_tail(int qtype) { return qtype == Q4_K_R16 ? Q4_K_X : Q6_K; }
 
 // Q4_K_X: the super-block value that zmm k (0..3) holds at byte p (0..63): lane p / 4 belongs
 // to sub-block p / 8, and the four zmm split each sub-block's 32 values 8 apiece.
@@ -118,6 +152,7 @@ struct ActRow {
   const int8_t* q;       // [K]
   const int16_t* sums;   // [K / 16], K-quants only: sums of q per 16 values
   const float* dsums;    // [K / 32], K-quants only: d * (sum of q) per 32 values, for the mins
+  const int16_t* pair_sums;  // [K / 32], K-quants only: sums of q per 32 values
   const float* d;        // [K / 256] (K-quants) or [K / 32 * 8] (32-value formats, repeated)
 };
 
@@ -131,12 +166,13 @@ struct ActLayout {
   int64_t k;
   bool k_quant;
   QOrder q_order;
-  int64_t sums_offset, dsums_offset, d_offset, row_bytes;  // bytes
+  int64_t sums_offset, dsums_offset, pair_sums_offset, d_offset, row_bytes;  // bytes
 
   ActLayout(int64_t k_, bool k_quant_, QOrder order) : k(k_), k_quant(k_quant_), q_order(order) {
     sums_offset = k;
     dsums_offset = sums_offset + (k_quant ? k / 16 * 2 : 0);
-    d_offset = dsums_offset + (k_quant ? k / 32 * 4 : 0);
+    pair_sums_offset = dsums_offset + (k_quant ? k / 32 * 4 : 0);
+    d_offset = pair_sums_offset + (k_quant ? k / 32 * 2 : 0);
     const int64_t d_count = k_quant ? k / 256 : k / 32 * 8;
     row_bytes = (d_offset + d_count * 4 + 63) / 64 * 64;  // rows start 64-byte aligned
   }
@@ -144,14 +180,20 @@ struct ActLayout {
   ActRow row(const uint8_t* base, int64_t r) const {
     const uint8_t* p = base + r * row_bytes;
     return {reinterpret_cast<const int8_t*>(p), reinterpret_cast<const int16_t*>(p + sums_offset),
-            reinterpret_cast<const float*>(p + dsums_offset), reinterpret_cast<const float*>(p + d_offset)};
+            reinterpret_cast<const float*>(p + dsums_offset),
+            reinterpret_cast<const int16_t*>(p + pair_sums_offset), reinterpret_cast<const float*>(p + d_offset)};
   }
 };
 
 // One tile of the product: out[r * out_stride + n] = row r of the activations . weight row n,
-// for n in [n_begin, n_end) and r < rows (1 to kMaxRows). Each weight block is unpacked once
+// for n in [n_begin, n_end) and r < rows (1 to kMaxRows, or to kMaxRows16 for the *_R16 types).
+// For the *_R16 types a tile is one group: n_begin a multiple of 16, and n_end = n_begin + 16
+// except for the tail group. Each weight block is unpacked once
 // and multiplied with every row; a row's result is computed the same way whatever `rows` is.
 constexpr int kMaxRows = 8;
+// The 16-row layouts take up to 16 rows a pass: AVX512 holds their 16 accumulators in zmm, so
+// the weights are unpacked once for a whole verify of 16 (narrower variants split the pass).
+constexpr int kMaxRows16 = 16;
 
 struct TileArgs {
   const uint8_t* weights;  // [N, row_bytes]
@@ -170,8 +212,11 @@ using TileKernel = void (*)(const TileArgs&);
 struct Variant {
   const char* name;
   TileKernel q4_0, q5_0, q8_0, q4_k, q5_k, q6_k, q4_k_x;
+  TileKernel q4_k_r16, q6_k_r16;  // full groups only: the op sends a tail group to the reference
   QOrder q4_k_order, q4_k_x_order;  // how its Q4_K / Q5_K and Q4_K_X kernels want the activations
   void (*dequantize_row)(int qtype, const uint8_t* row, int64_t blocks, float* out);
+  // a full group of 16 rows of a *_R16 type to floats [16, 256 * blocks]
+  void (*dequantize_group)(int qtype, const uint8_t* group, int64_t blocks, float* out);
 
   TileKernel for_type(int qtype) const {
     switch (qtype) {
@@ -182,14 +227,17 @@ struct Variant {
       case Q5_K: return q5_k;
       case Q6_K: return q6_k;
       case Q4_K_X: return q4_k_x;
+      case Q4_K_R16: return q4_k_r16;
+      case Q6_K_R16: return q6_k_r16;
       default: return nullptr;
     }
   }
 };
 
-// Defined in gguf_scalar.cpp (portable C++), gguf_avx2.cpp and gguf_avx512.cpp.
+// Defined in gguf_scalar.cpp (portable C++), gguf_avx2.cpp, gguf_avxvnni.cpp and gguf_avx512.cpp.
 Variant scalar_variant();
 Variant avx2_variant();
+Variant avxvnni_variant();
 Variant avx512_variant();
 
 // The reference's own pieces, shared with the op: one block to floats, and one activation row
@@ -199,5 +247,11 @@ void dequantize_block(int qtype, const uint8_t* block, float* out);
 void quantize_row(const float* x, const ActLayout& layout, uint8_t* row, float* residual = nullptr);
 // One Q4_K block (144 B) to Q4_K_X (148 B).
 void pack_q4_k_x(const uint8_t* block, uint8_t* out);
+// Block b of 16 Q4_K or Q6_K rows (`rows` points at the first, rows `row_bytes` apart) to one
+// Q4_K_R16 or Q6_K_R16 super-block.
+void pack_rows16(int qtype, const uint8_t* rows, int64_t row_bytes, int64_t b, uint8_t* out);
+// Weight row n (of n_total) of a *_R16 matrix to floats.
+void dequantize_rows16_row(int qtype, const uint8_t* weights, int64_t row_bytes, int64_t n_total,
+                           int64_t n, float* out);
 
 }  // namespace specserve::gguf

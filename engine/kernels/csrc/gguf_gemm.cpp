@@ -4,13 +4,16 @@
 //   gguf_mm(x [M, K] float32, blocks [N, K / values * bytes] uint8, qtype, variant, passes)
 //     -> [M, N] float32
 //   gguf_dequantize(blocks [N, bytes per row] uint8, qtype) -> [N, K] float32
-//   gguf_variants() -> the ISA variants this CPU runs, best first ("avx512vnni", "avx2", "scalar")
+//   gguf_variants() -> the ISA variants this CPU runs, best first ("avx512vnni", "avxvnni", "avx2",
+//                      "scalar")
+//   gguf_pack(blocks, qtype, variant, layout) -> (blocks in the variant's layout, their qtype)
 //
 // Each activation row is rounded to int8 on its own (with passes = 2, what that rounding left is
 // rounded again as a row of its own and the two results summed: int8 alone costs a model with
 // outlier activations ~3% perplexity, two passes ~0.4%), then the weight rows are split across
-// torch's intra-op threads in tiles of 16; inside a tile, rows go 8 at a time, so every weight
-// block is unpacked once per 8 activation rows and stays in cache for the next 8. A row's result
+// torch's intra-op threads in tiles of 16 (starting at multiples of 16); inside a tile, rows go 8
+// at a time (16 for the 16-row layouts), so every weight block is unpacked once per pass of
+// activation rows and stays in cache for the next pass. A row's result
 // depends on neither the other rows nor the number of threads (batch invariance).
 // The variant is chosen here once, from what the CPU reports; Python chooses nothing but may
 // name one (the tests compare each against the scalar reference).
@@ -20,6 +23,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -37,6 +42,8 @@ bool has_avx2() {
          __builtin_cpu_supports("f16c");
 }
 
+bool has_avxvnni() { return has_avx2() && __builtin_cpu_supports("avxvnni"); }
+
 bool has_avx512vnni() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -47,6 +54,7 @@ const std::vector<Variant>& variants() {
   static const std::vector<Variant> all = [] {
     std::vector<Variant> out;
     if (has_avx512vnni()) out.push_back(avx512_variant());
+    if (has_avxvnni()) out.push_back(avxvnni_variant());
     if (has_avx2()) out.push_back(avx2_variant());
     out.push_back(scalar_variant());
     return out;
@@ -71,6 +79,8 @@ const char* type_name(int64_t qtype) {
     case Q5_K: return "Q5_K";
     case Q6_K: return "Q6_K";
     case Q4_K_X: return "Q4_K_X";
+    case Q4_K_R16: return "Q4_K_R16";
+    case Q6_K_R16: return "Q6_K_R16";
     default: return "an unsupported type";
   }
 }
@@ -110,6 +120,8 @@ at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t 
 
   TORCH_CHECK(kernel != nullptr, "gguf_mm: the ", variant.name, " variant has no kernel for ",
               type_name(qtype), " (blocks repacked for another variant)");
+  // a group of 16 rows short of its 16 (the last N % 16) is per row: the reference takes it
+  const TileKernel tail_kernel = is_rows16(int(qtype)) ? scalar_variant().for_type(int(qtype)) : kernel;
   const QOrder order = qtype == Q4_K || qtype == Q5_K ? variant.q4_k_order
                        : qtype == Q4_K_X              ? variant.q4_k_x_order
                                                       : kNatural;
@@ -134,12 +146,16 @@ at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t 
 
   const uint8_t* weights = blocks.data_ptr<uint8_t>();
   float* out_data = partial.data_ptr<float>();
-  at::parallel_for(0, n, kTileColumns, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; tile += kTileColumns) {
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        TileArgs args{weights, blocks.size(1), blocks_per_row, tile, std::min(tile + kTileColumns, end),
-                      acts.data() + r, int(std::min<int64_t>(kMaxRows, rows - r)), out_data + r * n, n};
-        kernel(args);
+  const int64_t rows_per_pass = is_rows16(int(qtype)) ? kMaxRows16 : kMaxRows;
+  // Tiles start at multiples of 16 whatever the thread split (the *_R16 groups need it).
+  at::parallel_for(0, (n + kTileColumns - 1) / kTileColumns, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin * kTileColumns; tile < std::min(end * kTileColumns, n); tile += kTileColumns) {
+      const int64_t tile_end = std::min(tile + kTileColumns, n);
+      const TileKernel run = tile_end - tile == kTileColumns ? kernel : tail_kernel;
+      for (int64_t r = 0; r < rows; r += rows_per_pass) {
+        TileArgs args{weights, blocks.size(1), blocks_per_row, tile, tile_end,
+                      acts.data() + r, int(std::min<int64_t>(rows_per_pass, rows - r)), out_data + r * n, n};
+        run(args);
       }
     }
   });
@@ -154,21 +170,57 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks_in, int64_t qtype) {
   at::Tensor out = at::empty({n, per_row * format.block_values}, blocks.options().dtype(at::kFloat));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  const auto dequantize_row = variants().front().dequantize_row;
+  const Variant& best = variants().front();
   const int64_t k = per_row * format.block_values, row_bytes = blocks.size(1);
+  if (is_rows16(int(qtype))) {  // by groups of 16 interleaved rows; the tail per row
+    const int64_t groups = n / kGroupRows;
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        best.dequantize_group(int(qtype), src + g * kGroupRows * row_bytes, per_row, dst + g * kGroupRows * k);
+      }
+    });
+    for (int64_t i = groups * kGroupRows; i < n; ++i) dequantize_rows16_row(int(qtype), src, row_bytes, n, i, dst + i * k);
+    return out;
+  }
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) dequantize_row(int(qtype), src + i * row_bytes, per_row, dst + i * k);
+    for (int64_t i = begin; i < end; ++i) best.dequantize_row(int(qtype), src + i * row_bytes, per_row, dst + i * k);
   });
   return out;
 }
 
-// The blocks in the layout `variant` (default: the best here) multiplies fastest, and their type:
-// Q4_K becomes Q4_K_X for avx512vnni; everything else comes back as it is.
-std::tuple<at::Tensor, int64_t> gguf_pack(const at::Tensor& blocks_in, int64_t qtype, const std::string& variant_name) {
-  checked_format(blocks_in, qtype);
-  const std::string name = variant_name.empty() ? variants().front().name : variant_name;
-  if (qtype != Q4_K || name != "avx512vnni") return {blocks_in, qtype};
-  const at::Tensor blocks = blocks_in.contiguous();
+namespace {
+
+// The variants whose kernels multiply the row-interleaved *_R16 layouts.
+bool runs_rows16(const std::string& variant) {
+  return variant == "avx512vnni" || variant == "avxvnni" || variant == "avx2";
+}
+
+// Q4_K / Q6_K rows to Q4_K_R16 / Q6_K_R16: full groups of 16 interleaved, the tail per row.
+at::Tensor pack_rows16_matrix(const at::Tensor& blocks, int64_t qtype) {
+  const int64_t n = blocks.size(0), per_row = blocks.size(1) / (qtype == Q4_K ? 144 : 210);
+  const int64_t out_row_bytes = per_row * (qtype == Q4_K ? 148 : 210), groups = n / kGroupRows;
+  at::Tensor out = at::empty({n, out_row_bytes}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t block_bytes = kGroupRows * out_row_bytes / per_row;
+  at::parallel_for(0, groups * per_row, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / per_row, b = i % per_row;
+      pack_rows16(int(qtype), src + g * kGroupRows * blocks.size(1), blocks.size(1), b,
+                  dst + g * kGroupRows * out_row_bytes + b * block_bytes);
+    }
+  });
+  for (int64_t row = groups * kGroupRows; row < n; ++row) {  // the tail, as Q4_K_X / Q6_K
+    for (int64_t b = 0; b < per_row; ++b) {
+      const uint8_t* block = src + row * blocks.size(1) + b * (qtype == Q4_K ? 144 : 210);
+      uint8_t* target = dst + row * out_row_bytes + b * (qtype == Q4_K ? 148 : 210);
+      if (qtype == Q4_K) pack_q4_k_x(block, target); else std::memcpy(target, block, 210);
+    }
+  }
+  return out;
+}
+
+at::Tensor pack_q4_k_x_matrix(const at::Tensor& blocks) {
   const int64_t n = blocks.size(0), per_row = blocks.size(1) / 144;
   at::Tensor out = at::empty({n, per_row * 148}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
@@ -176,7 +228,28 @@ std::tuple<at::Tensor, int64_t> gguf_pack(const at::Tensor& blocks_in, int64_t q
   at::parallel_for(0, n * per_row, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) pack_q4_k_x(src + i * 144, dst + i * 148);
   });
-  return {out, int64_t(Q4_K_X)};
+  return out;
+}
+
+}  // namespace
+
+// The blocks in the layout `variant` (default: the best here) multiplies fastest, and their type.
+// layout "" is that best: Q4_K and Q6_K become Q4_K_R16 and Q6_K_R16 for every SIMD variant; "tiles"
+// keeps the per-row layouts (Q4_K_X for avx512vnni); "rows16" asks for the interleaved ones.
+// Other types come back as they are.
+std::tuple<at::Tensor, int64_t> gguf_pack(const at::Tensor& blocks_in, int64_t qtype, const std::string& variant_name,
+                                          const std::string& layout) {
+  checked_format(blocks_in, qtype);
+  TORCH_CHECK(layout.empty() || layout == "tiles" || layout == "rows16", "gguf_pack: layout '", layout,
+              "' is none of \"\", \"tiles\", \"rows16\"");
+  const std::string name = variant_name.empty() ? variants().front().name : variant_name;
+  const at::Tensor blocks = blocks_in.contiguous();
+  const bool rows16 = layout == "rows16" || (layout.empty() && runs_rows16(name));
+  if (rows16 && (qtype == Q4_K || qtype == Q6_K)) {
+    return {pack_rows16_matrix(blocks, qtype), qtype == Q4_K ? int64_t(Q4_K_R16) : int64_t(Q6_K_R16)};
+  }
+  if (qtype == Q4_K && name == "avx512vnni") return {pack_q4_k_x_matrix(blocks), int64_t(Q4_K_X)};
+  return {blocks_in, qtype};
 }
 
 std::vector<std::string> gguf_variants() {
@@ -191,7 +264,7 @@ std::vector<std::string> gguf_variants() {
 TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {
   m.def("gguf_mm(Tensor x, Tensor blocks, int qtype, str variant=\"\", int passes=1) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int qtype) -> Tensor");
-  m.def("gguf_pack(Tensor blocks, int qtype, str variant=\"\") -> (Tensor, int)");
+  m.def("gguf_pack(Tensor blocks, int qtype, str variant=\"\", str layout=\"\") -> (Tensor, int)");
   m.def("gguf_variants() -> str[]", &specserve::gguf::gguf_variants);
 }
 

@@ -83,6 +83,46 @@ void unpack_q4_k_x(const uint8_t* block, KBlock* out) {
   }
 }
 
+// Column j of a Q4_K_R16 super-block (layout in gguf_blocks.h).
+void unpack_q4_k_r16(const uint8_t* block, int j, KBlock* out) {
+  out->d = half_to_float(block + 2 * j);
+  out->dmin = half_to_float(block + 32 + 2 * j);
+  out->offset = 0;
+  for (int g = 0; g < 16; ++g) {
+    const int s = g / 2;
+    out->scale[g] = block[64 + 16 * s + j];
+    out->min[g] = block[192 + 32 * (s / 2) + 2 * j + s % 2];
+  }
+  for (int s = 0; s < 8; ++s) {
+    for (int c = 0; c < 4; ++c) {
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = block[320 + 256 * s + 64 * c + 4 * j + i];
+        out->q[32 * s + 4 * c + i] = byte & 15;
+        out->q[32 * s + 16 + 4 * c + i] = byte >> 4;
+      }
+    }
+  }
+}
+
+// Column j of a Q6_K_R16 super-block.
+void unpack_q6_k_r16(const uint8_t* block, int j, KBlock* out) {
+  out->d = half_to_float(block + 2 * j);
+  out->dmin = 0.0f;
+  out->offset = 32;
+  for (int g = 0; g < 16; ++g) {
+    out->scale[g] = int8_t(block[32 + 32 * (g / 2) + 2 * j + g % 2]);
+    out->min[g] = 0;
+    const uint8_t* group = block + 288 + 192 * g;
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t high = group[128 + 4 * j + i];
+      for (int k = 0; k < 4; ++k) {
+        const uint8_t low = group[64 * (k / 2) + 4 * j + i];
+        out->q[16 * g + 4 * k + i] = (k % 2 ? low >> 4 : low & 15) | ((high >> (2 * k)) & 3) << 4;
+      }
+    }
+  }
+}
+
 void unpack_k(int qtype, const uint8_t* block, KBlock* out) {
   if (qtype == Q4_K_X) {
     unpack_q4_k_x(block, out);
@@ -113,15 +153,32 @@ void unpack_32(int qtype, const uint8_t* block, int8_t q[32], float* d) {
   }
 }
 
+// Super-block b of weight row n of a *_R16 matrix; `full_group`: n's group has all 16 rows
+// (else n is one of the last N % 16 rows, stored per row as the tail form).
+void unpack_rows16(int qtype, const uint8_t* weights, int64_t row_bytes, bool full_group, int64_t n,
+                   int64_t b, KBlock* out) {
+  Format format;
+  format_of(qtype, &format);
+  if (!full_group) return unpack_k(rows16_tail(qtype), weights + n * row_bytes + b * format.block_bytes, out);
+  const uint8_t* block = weights + n / kGroupRows * kGroupRows * row_bytes + b * kGroupRows * format.block_bytes;
+  if (qtype == Q4_K_R16) return unpack_q4_k_r16(block, int(n % kGroupRows), out);
+  unpack_q6_k_r16(block, int(n % kGroupRows), out);
+}
+
 template <int QType>
 void k_tile(const TileArgs& a) {
   constexpr int block_bytes = QType == Q4_K ? 144 : QType == Q5_K ? 176 : QType == Q4_K_X ? 148 : 210;
+  // a *_R16 tile is one group: all 16 rows interleaved, or the per-row tail (gguf_blocks.h)
   for (int64_t n = a.n_begin; n < a.n_end; ++n) {
     const uint8_t* row = a.weights + n * a.weight_row_bytes;
-    float acc[kMaxRows] = {};
+    float acc[kMaxRows16] = {};
     for (int64_t b = 0; b < a.blocks; ++b) {
       KBlock w;
-      unpack_k(QType, row + b * block_bytes, &w);
+      if (is_rows16(QType)) {
+        unpack_rows16(QType, a.weights, a.weight_row_bytes, a.n_end - a.n_begin == kGroupRows, n, b, &w);
+      } else {
+        unpack_k(QType, row + b * block_bytes, &w);
+      }
       for (int r = 0; r < a.rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b;
         const int16_t* sums = a.acts[r].sums + 16 * b;
@@ -197,6 +254,64 @@ void pack_q4_k_x(const uint8_t* block, uint8_t* out) {
   }
 }
 
+namespace {
+
+// Column j of a Q4_K_R16 super-block from its unpacked Q4_K block (the inverse of unpack_q4_k_r16).
+void pack_q4_k_r16_column(const uint8_t* file_block, const KBlock& w, int j, uint8_t* out) {
+  std::memcpy(out + 2 * j, file_block, 2);            // d, as the file's f16
+  std::memcpy(out + 32 + 2 * j, file_block + 2, 2);   // dmin
+  for (int s = 0; s < 8; ++s) {
+    out[64 + 16 * s + j] = uint8_t(w.scale[2 * s]);
+    out[192 + 32 * (s / 2) + 2 * j + s % 2] = uint8_t(w.min[2 * s]);
+    for (int c = 0; c < 4; ++c) {
+      for (int i = 0; i < 4; ++i) {
+        const int value = 32 * s + 4 * c + i;
+        out[320 + 256 * s + 64 * c + 4 * j + i] = uint8_t(w.q[value] | w.q[value + 16] << 4);
+      }
+    }
+  }
+}
+
+// Column j of a Q6_K_R16 super-block from its unpacked Q6_K block (the inverse of unpack_q6_k_r16).
+void pack_q6_k_r16_column(const uint8_t* file_block, const KBlock& w, int j, uint8_t* out) {
+  std::memcpy(out + 2 * j, file_block + 208, 2);  // d, as the file's f16
+  for (int g = 0; g < 16; ++g) {
+    out[32 + 32 * (g / 2) + 2 * j + g % 2] = uint8_t(w.scale[g]);
+    uint8_t* group = out + 288 + 192 * g;
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* q = w.q + 16 * g + i;  // q[4k]: the group's value 4k + i
+      group[4 * j + i] = uint8_t((q[0] & 15) | (q[4] & 15) << 4);
+      group[64 + 4 * j + i] = uint8_t((q[8] & 15) | (q[12] & 15) << 4);
+      group[128 + 4 * j + i] = uint8_t(q[0] >> 4 | (q[4] >> 4) << 2 | (q[8] >> 4) << 4 | (q[12] >> 4) << 6);
+    }
+  }
+}
+
+}  // namespace
+
+void pack_rows16(int qtype, const uint8_t* rows, int64_t row_bytes, int64_t b, uint8_t* out) {
+  const int block_bytes = qtype == Q4_K ? 144 : 210;
+  for (int j = 0; j < kGroupRows; ++j) {
+    const uint8_t* block = rows + j * row_bytes + b * block_bytes;
+    KBlock w;
+    unpack_k(qtype, block, &w);
+    if (qtype == Q4_K) pack_q4_k_r16_column(block, w, j, out);
+    else pack_q6_k_r16_column(block, w, j, out);
+  }
+}
+
+void dequantize_rows16_row(int qtype, const uint8_t* weights, int64_t row_bytes, int64_t n_total, int64_t n,
+                           float* out) {
+  const bool full_group = n < n_total / kGroupRows * kGroupRows;
+  for (int64_t b = 0; b < row_bytes / (qtype == Q4_K_R16 ? 148 : 210); ++b) {
+    KBlock w;
+    unpack_rows16(qtype, weights, row_bytes, full_group, n, b, &w);
+    for (int i = 0; i < 256; ++i) {
+      out[256 * b + i] = w.d * float(w.scale[i / 16] * (int32_t(w.q[i]) - w.offset)) - w.dmin * float(w.min[i / 16]);
+    }
+  }
+}
+
 void dequantize_block(int qtype, const uint8_t* block, float* out) {
   if (is_k_quant(qtype)) {
     KBlock w;
@@ -238,7 +353,11 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row, float* 
         for (int i = 0; i < 16; ++i) sum += q[b * block + 16 * g + i];
         sums[b * 16 + g] = int16_t(sum);
       }
-      for (int s = 0; s < 8; ++s) dsums[b * 8 + s] = d * float(sums[b * 16 + 2 * s] + sums[b * 16 + 2 * s + 1]);
+      int16_t* pair_sums = reinterpret_cast<int16_t*>(row + layout.pair_sums_offset) + b * 8;
+      for (int s = 0; s < 8; ++s) {
+        pair_sums[s] = int16_t(sums[b * 16 + 2 * s] + sums[b * 16 + 2 * s + 1]);  // |.| <= 32 * 127
+        dsums[b * 8 + s] = d * float(pair_sums[s]);
+      }
       if (layout.q_order == kNibbleHalves) reorder_nibble_halves(q + b * block);
       if (layout.q_order == kSubblockLanes) reorder_subblock_lanes(q + b * block);
     } else {
@@ -250,7 +369,8 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row, float* 
 Variant scalar_variant() {
   return {"scalar",     tile_32<Q4_0>, tile_32<Q5_0>, tile_32<Q8_0>,
           k_tile<Q4_K>, k_tile<Q5_K>,   k_tile<Q6_K>, k_tile<Q4_K_X>,
-          kNatural,     kNatural,       dequantize_row_impl};
+          k_tile<Q4_K_R16>, k_tile<Q6_K_R16>,
+          kNatural,     kNatural,       dequantize_row_impl, dequantize_group_impl};
 }
 
 }  // namespace specserve::gguf

@@ -41,6 +41,9 @@ PREFILL_CANDIDATES = (32, 128, 512)
 _MEASURE_MIN_VALUES = 1 << 20  # weights smaller than this time too noisily to decide on
 NEVER = sys.maxsize
 _dense_from: dict[torch.dtype, int] = {}  # by dense dtype: rows from which the dense path runs
+# The layout weights are packed into at load ("": the fastest here; "tiles" / "rows16": see
+# gguf_ops.pack). Only benchmarks comparing layouts in one process set it.
+pack_layout = ""
 
 
 class GgufKernel:
@@ -50,7 +53,9 @@ class GgufKernel:
 
     def __init__(self, weight: GgufBlocks, dtype: torch.dtype) -> None:
         # [N, bytes per row] uint8, repacked for this CPU's kernel where that pays (Q4_K)
-        self.blocks, self.qtype = gguf_ops.pack(weight.blocks.contiguous(), weight.qtype)
+        self.blocks, self.qtype = gguf_ops.pack(
+            weight.blocks.contiguous(), weight.qtype, layout=pack_layout
+        )
         self.dense_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         if (
             self.dense_dtype not in _dense_from

@@ -1,0 +1,21 @@
+// AVX-VNNI variant (the 256-bit `vpdpbusd` of CPUs with AVX2 but without AVX512, e.g. Alder
+// Lake): the AVX2 variant, with the row-interleaved layouts' kernels summing in `vpdpbusd`.
+#include <immintrin.h>
+
+#include "gguf_blocks.h"
+
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+
+#include "gguf_rows16_avx2.h"  // after the pragma: compiled for this target
+
+namespace specserve::gguf {
+
+Variant avxvnni_variant() {
+  Variant v = avx2_variant();
+  v.name = "avxvnni";
+  v.q4_k_r16 = rows16_tile<false, true>;
+  v.q6_k_r16 = rows16_tile<true, true>;
+  return v;
+}
+
+}  // namespace specserve::gguf

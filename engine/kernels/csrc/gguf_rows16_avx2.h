@@ -1,0 +1,185 @@
+// 256-bit kernels for the row-interleaved layouts (Q4_K_R16, Q6_K_R16; gguf_blocks.h), included
+// by gguf_avx2.cpp (Vnni = false) and gguf_avxvnni.cpp (Vnni = true) after their target pragma,
+// so each gets its own copy (everything here is in an anonymous namespace).
+//
+// A 64-byte run of the layout is 16 columns x 4 K values; its 32-byte halves are columns 0-7
+// and 8-15, one ymm each (lane j: column 8h + j). `vpmaddubsw` against a broadcast group of 4
+// activations gives int16 pairs, and several steps add in int16 before one `vpmaddwd` applies
+// the scale: a whole Q4_K sub-block (8 steps, at most 8 * 2 * 15 * 127 = 30480) and half a Q6_K
+// group (2 steps, 2 * 2 * 63 * 127 = 32004) stay below 32768. The scale sits in both int16 halves
+// of its int32 lane, so that `vpmaddwd` is scale * (sum of the pair), exact in int32.
+// With AVX-VNNI, `vpdpbusd` sums the 4 products straight into int32 (as the AVX512 kernel does)
+// and `vpmulld` applies the scale.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "gguf_blocks.h"
+
+namespace specserve::gguf {
+namespace {
+
+inline __m256i load_ymm(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+inline __m256i broadcast4(const int8_t* x) {  // x[0..3] in every int32 lane
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256i broadcast_pair(const int16_t* sums) {  // sums[0], sums[1] in every int32 lane
+  int32_t v;
+  std::memcpy(&v, sums, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256 load_halves(const uint8_t* p) {  // 8 f16 -> 8 floats
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// Columns 8h .. 8h + 7 of one Q4_K_R16 super-block, for Rows rows, added into acc.
+template <int Rows, bool Vnni>
+void q4_k_r16_half(const uint8_t* block, int h, int64_t b, const ActRow* acts, __m256* acc) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256i sum[Rows];
+  for (int r = 0; r < Rows; ++r) sum[r] = _mm256_setzero_si256();
+  for (int s = 0; s < 8; ++s) {
+    __m256i w[8];  // w[t]: values 32s + 4t .. + 3 of the 8 columns
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = load_ymm(block + 320 + 256 * s + 64 * c + 32 * h);
+      w[c] = _mm256_and_si256(v, nibble);
+      w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    }
+    uint64_t scale_bytes;
+    std::memcpy(&scale_bytes, block + 64 + 16 * s + 8 * h, 8);
+    const __m256i scale32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(scale_bytes)));
+    const __m256i scale = _mm256_or_si256(scale32, _mm256_slli_epi32(scale32, 16));
+    for (int r = 0; r < Rows; ++r) {
+      const int8_t* x = acts[r].q + 256 * b + 32 * s;
+      if constexpr (Vnni) {
+        __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], broadcast4(x));
+        for (int t = 1; t < 8; ++t) dot = _mm256_dpbusd_avx_epi32(dot, w[t], broadcast4(x + 4 * t));
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_mullo_epi32(dot, scale32));
+      } else {
+        __m256i pairs = _mm256_maddubs_epi16(w[0], broadcast4(x));
+        for (int t = 1; t < 8; ++t) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[t], broadcast4(x + 4 * t)));
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pairs, scale));
+      }
+    }
+  }
+  const __m256 d = load_halves(block + 16 * h), dmin = load_halves(block + 32 + 16 * h);
+  for (int r = 0; r < Rows; ++r) {
+    const int16_t* pair_sums = acts[r].pair_sums + 8 * b;
+    __m256i low = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i mins = _mm256_cvtepu8_epi16(load128(block + 192 + 32 * p + 16 * h));
+      low = _mm256_add_epi32(low, _mm256_madd_epi16(mins, broadcast_pair(pair_sums + 2 * p)));
+    }
+    const __m256 xd = _mm256_set1_ps(acts[r].d[b]);
+    acc[2 * r + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, xd), acc[2 * r + h]);
+    acc[2 * r + h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(low), _mm256_mul_ps(dmin, xd), acc[2 * r + h]);
+  }
+}
+
+// Columns 8h .. 8h + 7 of one Q6_K_R16 super-block, for Rows rows, added into acc.
+template <int Rows, bool Vnni>
+void q6_k_r16_half(const uint8_t* block, int h, int64_t b, const ActRow* acts, __m256* acc) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i top = _mm256_set1_epi8(0x30);
+  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+  __m256i sum[Rows];
+  for (int r = 0; r < Rows; ++r) sum[r] = _mm256_setzero_si256();
+  for (int g = 0; g < 16; ++g) {
+    const uint8_t* values = block + 288 + 192 * g + 32 * h;
+    const __m256i low0 = load_ymm(values), low1 = load_ymm(values + 64), high = load_ymm(values + 128);
+    const __m256i w[4] = {  // w[k]: values 16g + 4k .. + 3; its two high bits at bits 2k, 2k + 1
+        _mm256_or_si256(_mm256_and_si256(low0, nibble), _mm256_and_si256(_mm256_slli_epi16(high, 4), top)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), nibble),
+                        _mm256_and_si256(_mm256_slli_epi16(high, 2), top)),
+        _mm256_or_si256(_mm256_and_si256(low1, nibble), _mm256_and_si256(high, top)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), nibble),
+                        _mm256_and_si256(_mm256_srli_epi16(high, 2), top)),
+    };
+    const __m256i pair = _mm256_cvtepi8_epi16(load128(block + 32 + 32 * (g / 2) + 16 * h));
+    const __m256i scale = _mm256_shuffle_epi8(pair, g % 2 ? odd : even);  // this group's, twice
+    for (int r = 0; r < Rows; ++r) {
+      const int8_t* x = acts[r].q + 256 * b + 16 * g;
+      if constexpr (Vnni) {
+        __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], broadcast4(x));
+        for (int k = 1; k < 4; ++k) dot = _mm256_dpbusd_avx_epi32(dot, w[k], broadcast4(x + 4 * k));
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_mullo_epi32(dot, _mm256_srai_epi32(_mm256_slli_epi32(scale, 16), 16)));
+        continue;
+      }
+      const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], broadcast4(x)),
+                                             _mm256_maddubs_epi16(w[1], broadcast4(x + 4)));
+      const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], broadcast4(x + 8)),
+                                              _mm256_maddubs_epi16(w[3], broadcast4(x + 12)));
+      sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(_mm256_madd_epi16(first, scale),
+                                                         _mm256_madd_epi16(second, scale)));
+    }
+  }
+  const __m256 d = load_halves(block + 16 * h);
+  for (int r = 0; r < Rows; ++r) {
+    const int16_t* sums = acts[r].sums + 16 * b;  // the -32 of every value, as in the AVX512 kernel
+    __m256i offset = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p) {
+      const __m256i scales = _mm256_cvtepi8_epi16(load128(block + 32 + 32 * p + 16 * h));
+      offset = _mm256_add_epi32(offset, _mm256_madd_epi16(scales, broadcast_pair(sums + 2 * p)));
+    }
+    const __m256i exact = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(offset, 5));
+    acc[2 * r + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, _mm256_set1_ps(acts[r].d[b])),
+                                     acc[2 * r + h]);
+  }
+}
+
+// One group of 16 columns x Rows rows: the two 8-column halves of each super-block in turn.
+template <int Rows, bool Q6, bool Vnni>
+void rows16_group(const TileArgs& a) {
+  const uint8_t* group = a.weights + a.n_begin * a.weight_row_bytes;
+  __m256 acc[2 * Rows];  // [row][half]
+  for (int i = 0; i < 2 * Rows; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* block = group + b * (Q6 ? 16 * 210 : 16 * 148);
+    for (int h = 0; h < 2; ++h) {
+      if (Q6) q6_k_r16_half<Rows, Vnni>(block, h, b, a.acts, acc);
+      else q4_k_r16_half<Rows, Vnni>(block, h, b, a.acts, acc);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(a.out + r * a.out_stride + a.n_begin + 8 * h, acc[2 * r + h]);
+  }
+}
+
+// The row count as a template argument; more than 8 rows (16 ymm registers) go 8 at a time.
+template <bool Q6, bool Vnni>
+void rows16_tile(const TileArgs& a) {
+  if (a.rows > kMaxRows) {
+    TileArgs first = a, rest = a;
+    first.rows = kMaxRows;
+    rest.rows = a.rows - kMaxRows;
+    rest.acts = a.acts + kMaxRows;
+    rest.out = a.out + kMaxRows * a.out_stride;
+    rows16_tile<Q6, Vnni>(first);
+    return rows16_tile<Q6, Vnni>(rest);
+  }
+  switch (a.rows) {
+    case 1: return rows16_group<1, Q6, Vnni>(a);
+    case 2: return rows16_group<2, Q6, Vnni>(a);
+    case 3: return rows16_group<3, Q6, Vnni>(a);
+    case 4: return rows16_group<4, Q6, Vnni>(a);
+    case 5: return rows16_group<5, Q6, Vnni>(a);
+    case 6: return rows16_group<6, Q6, Vnni>(a);
+    case 7: return rows16_group<7, Q6, Vnni>(a);
+    default: return rows16_group<8, Q6, Vnni>(a);
+  }
+}
+
+}  // namespace
+}  // namespace specserve::gguf

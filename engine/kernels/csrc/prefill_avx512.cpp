@@ -3,7 +3,9 @@
 // Runs only after prefill.cpp has seen the CPU report avx512f/bw/vl; the bf16 rounding uses
 // `vcvtneps2bf16` only where the CPU also reports avx512bf16, else the same round-to-nearest-even
 // in integer lanes (both give torch's `.to(torch.bfloat16)` bit for bit on finite values).
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+// avx512bf16 is in the target list for the intrinsic only: nothing here uses __bf16, so the
+// compiler emits its instructions nowhere else, and those run only when the CPU reports them.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")
 #include <immintrin.h>
 
 #include "gguf_dequant.h"
@@ -14,44 +16,57 @@ namespace {
 
 using gguf::half_to_float;
 
-// Q4_K_X (gguf_blocks.h): byte p of half c holds, low nibble, value 32 (p / 8) + 16 c + p % 8 and,
-// high nibble, the value 8 past it; both of sub-block p / 8 (scale sc[p / 8], min m[p / 8]).
-void dequantize_q4_k_x_row(const uint8_t* row, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b, row += 148, out += 256) {
-    const float d = half_to_float(row), dmin = half_to_float(row + 2);
-    const uint8_t* qs = row + 20;
-    for (int s = 0; s < 8; ++s) {
-      const float scale = d * row[4 + s], min = dmin * row[12 + s];
-      for (int c = 0; c < 2; ++c) {
-        const uint8_t* q = qs + 64 * c + 8 * s;
-        float* o = out + 32 * s + 16 * c;
-        for (int j = 0; j < 8; ++j) o[j] = scale * float(q[j] & 15) - min;
-        for (int j = 0; j < 8; ++j) o[8 + j] = scale * float(q[j] >> 4) - min;
-      }
-    }
+// 16 floats to bf16 at `out`, rounded to nearest even.
+template <bool kNative>
+void store_bf16(__m512 v, uint16_t* out) {
+  __m256i packed;
+  if constexpr (kNative) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(v);
+    std::memcpy(&packed, &rounded, 32);
+  } else {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd);
+    packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16));
   }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
 }
 
 // Round to nearest even in integer lanes (finite inputs).
 void round_bf16(const float* in, int64_t n, uint16_t* out) {
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store_bf16<false>(_mm512_loadu_ps(in + i), out + i);
+  for (; i < n; ++i) out[i] = float_to_bf16(in[i]);
+}
+
+void round_bf16_native(const float* in, int64_t n, uint16_t* out) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(in + i));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-    const __m512i top = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(bias, odd)), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(top));
+    store_bf16<true>(_mm512_loadu_ps(in + i), out + i);
   }
   for (; i < n; ++i) out[i] = float_to_bf16(in[i]);
 }
 
-__attribute__((target("avx512bf16"))) void round_bf16_native(const float* in, int64_t n, uint16_t* out) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256bh packed = _mm512_cvtneps_pbh(_mm512_loadu_ps(in + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), reinterpret_cast<const __m256i&>(packed));
+// Q4_K_X (gguf_blocks.h) straight to bf16. Byte p of half c holds, low nibble, value
+// 32 (p / 8) + 16 c + p % 8 and, high nibble, the value 8 past it; both of sub-block s = p / 8.
+// So sub-block s is [c0 low, c0 high, c1 low, c1 high] of bytes 8s..8s+7 of each half.
+template <bool kNative>
+void q4_k_x_row_bf16(const uint8_t* row, int64_t blocks, uint16_t* out) {
+  const __m128i nibble = _mm_set1_epi8(15);
+  for (int64_t b = 0; b < blocks; ++b, row += 148, out += 256) {
+    const float d = half_to_float(row), dmin = half_to_float(row + 2);
+    const uint8_t* qs = row + 20;
+    for (int s = 0; s < 8; ++s) {
+      const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * s)),
+                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 64 + 8 * s)));
+      const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+      const __m512 scale = _mm512_set1_ps(d * row[4 + s]), neg_min = _mm512_set1_ps(-dmin * row[12 + s]);
+      const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, high)));
+      const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(low, high)));
+      store_bf16<kNative>(_mm512_fmadd_ps(scale, first, neg_min), out + 32 * s);
+      store_bf16<kNative>(_mm512_fmadd_ps(scale, second, neg_min), out + 32 * s + 16);
+    }
   }
-  for (; i < n; ++i) out[i] = float_to_bf16(in[i]);
 }
 
 }  // namespace
@@ -59,10 +74,9 @@ __attribute__((target("avx512bf16"))) void round_bf16_native(const float* in, in
 void dequantize_row_bf16_avx512(int qtype, const uint8_t* row, int64_t blocks, int64_t k, float* scratch,
                                 uint16_t* out, bool native_bf16) {
   if (qtype == gguf::Q4_K_X) {
-    dequantize_q4_k_x_row(row, blocks, scratch);
-  } else {
-    gguf::dequantize_row_impl(qtype, row, blocks, scratch);
+    return native_bf16 ? q4_k_x_row_bf16<true>(row, blocks, out) : q4_k_x_row_bf16<false>(row, blocks, out);
   }
+  gguf::dequantize_row_impl(qtype, row, blocks, scratch);
   if (native_bf16) {
     round_bf16_native(scratch, k, out);
   } else {

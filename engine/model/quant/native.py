@@ -2,9 +2,10 @@
 
 Decode and verify rows go through `gguf_mm`: activations rounded to int8 per row, every weight
 block unpacked once for all the rows, a row's result the same alone or in any batch. A prefill
-chunk of many rows takes whichever path is faster on this CPU: the same kernel, or the blocks
-dequantized to bf16 for the call and torch's GEMM (AMX or AVX512-BF16 make the latter win from
-some row count on). That count is measured once per process, on the first weight big enough to
+chunk of many rows takes whichever path is faster on this CPU: the same kernel, or the dense
+one: for a bf16 model `gguf_mm_bf16` (panels of weight rows dequantized to bf16 in a cache-sized
+buffer and multiplied by torch's bf16 GEMM, AMX or AVX512-BF16 where the CPU has them; no full
+bf16 copy of a weight exists), for a float32 model the blocks dequantized for the call. That count is measured once per process, on the first weight big enough to
 tell, at load, and logged; it is never below the verify rows, so batch invariance holds where
 speculation needs it.
 """
@@ -54,6 +55,8 @@ class GgufKernel:
         return gguf_ops.mm(x.float().contiguous(), self.blocks, self.qtype)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_dtype == torch.bfloat16 and gguf_ops.has_prefill_ops():
+            return gguf_ops.mm_bf16(x.to(torch.bfloat16).contiguous(), self.blocks, self.qtype).float()
         w = gguf_ops.dequantize(self.blocks, self.qtype).to(self.dense_dtype)  # [N, K]
         return F.linear(x.to(self.dense_dtype), w).float()
 

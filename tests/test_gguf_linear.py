@@ -128,3 +128,40 @@ def test_prefill_path_is_measured_and_both_paths_agree(
     want = x @ weight.dequantize().T
     for path in (kernel.native, kernel.dense):
         assert ((path(x) - want).norm() / want.norm()).item() < 0.02
+
+
+@needs_kernels
+def test_bf16_prefill_gemm_agrees_with_the_dequantized_linear(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 model's prompt chunk through gguf_mm_bf16 (panels, no bf16 weight copy) against
+    the former dense path (the whole weight dequantized, then F.linear): same bf16 operands, so
+    only the GEMM's summation order differs."""
+    if not gguf_ops.has_prefill_ops():
+        pytest.skip("the prefill ops are not in the library")
+    monkeypatch.setitem(native._dense_from, torch.bfloat16, 17)  # prompt chunks dense
+    ids = list(range(3, 60))
+    _, ours = _logits(tiny_gguf, "gguf", "bfloat16", ids)
+    monkeypatch.setattr(gguf_ops, "has_prefill_ops", lambda: False)
+    _, former = _logits(tiny_gguf, "gguf", "bfloat16", ids)
+    assert ((ours - former).norm() / former.norm()).item() < 0.02
+
+
+@needs_kernels
+def test_bf16_prefill_gemm_with_chunks_and_prefix_cache(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts chunked (17-row chunks run dense) and a second round served from the prefix cache
+    give the tokens that one unchunked, uncached run gives, every row through gguf_mm_bf16."""
+    if not gguf_ops.has_prefill_ops():
+        pytest.skip("the prefill ops are not in the library")
+    monkeypatch.setitem(native._dense_from, torch.bfloat16, 0)  # every row dense: one kernel
+    prompts = random_prompts(3, (30, 60), 300, seed=7)
+    whole = make_engine(tiny_gguf, quantization="gguf", dtype="bfloat16")
+    want = outputs(whole, prompts, greedy(6))
+    chunked = make_engine(
+        tiny_gguf, quantization="gguf", dtype="bfloat16", max_num_batched_tokens=17,
+        enable_prefix_caching=True,
+    )  # fmt: skip
+    assert outputs(chunked, prompts, greedy(6)) == want
+    assert outputs(chunked, prompts, greedy(6)) == want  # the second time from the prefix cache

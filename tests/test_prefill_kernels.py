@@ -105,3 +105,13 @@ def test_traced_by_fake_tensors() -> None:
         out = gguf_ops.mm_bf16(torch.empty(3, 512, dtype=torch.bfloat16), blocks, int(T.Q4_K))
         dense = gguf_ops.dequantize_bf16(blocks, int(T.Q4_K))
     assert out.shape == (3, 10) and dense.shape == (10, 512) and dense.dtype == torch.bfloat16
+
+
+def test_mm_bf16_under_inference_mode() -> None:
+    """The engine's forward runs in inference mode; the worker threads write its output."""
+    blocks, qtype = operands("Q4_K", 300, 512, seed=5)
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
+    want = gguf_ops.mm_bf16(x, blocks, qtype)
+    with torch.inference_mode():
+        got = gguf_ops.mm_bf16(x, blocks, qtype)
+    assert torch.equal(got, want)

@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <string>
@@ -112,7 +113,9 @@ at::Tensor gguf_mm_bf16(const at::Tensor& x_in, const at::Tensor& blocks, int64_
   at::Tensor out = at::empty({x.size(0), w.n}, x.options());  // [M, N]
   if (x.size(0) == 0 || w.n == 0) return out;
   const int64_t panels = (w.n + panel_rows - 1) / panel_rows;
+  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the workers lack it
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode guard(inference);
     at::Tensor panel = at::empty({panel_rows, w.k}, x.options());  // [panel_rows, K]
     std::vector<float> scratch(w.k);
     for (int64_t p = begin; p < end; ++p) {

@@ -32,7 +32,8 @@ _dense_from: dict[torch.dtype, int] = {}  # by dense dtype: rows from which the 
 
 
 class GgufKernel:
-    """y = x W^T with W the file's blocks; float32 out."""
+    """y = x W^T with W the file's blocks; float32 out, except bf16 from the bf16 prefill GEMM
+    (the layer's own dtype: a float32 round trip would only add two copies of the output)."""
 
     name = "gguf"
 
@@ -46,7 +47,7 @@ class GgufKernel:
         ):
             _dense_from[self.dense_dtype] = _measure_dense_from(self, weight.in_features)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] float32
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if x.shape[0] >= _dense_from.get(self.dense_dtype, NEVER):
             return self.dense(x)
         return self.native(x)
@@ -56,7 +57,7 @@ class GgufKernel:
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense_dtype == torch.bfloat16 and gguf_ops.has_prefill_ops():
-            return gguf_ops.mm_bf16(x.to(torch.bfloat16).contiguous(), self.blocks, self.qtype).float()
+            return gguf_ops.mm_bf16(x.to(torch.bfloat16).contiguous(), self.blocks, self.qtype)
         w = gguf_ops.dequantize(self.blocks, self.qtype).to(self.dense_dtype)  # [N, K]
         return F.linear(x.to(self.dense_dtype), w).float()
 

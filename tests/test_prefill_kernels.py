@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 FORMS = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_X"]
-ISAS = ["scalar", "avx512", ""]
+ISAS = ["scalar", "avx2", "avx512", ""]
 
 
 def operands(form: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, int]:
@@ -30,6 +30,8 @@ def operands(form: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, int]:
 def isa_or_skip(isa: str) -> str:
     if isa == "avx512" and not torch.ops.specserve_kernels.cpu_supports("avx512bw"):
         pytest.skip("this CPU lacks avx512")
+    if isa == "avx2" and not torch.ops.specserve_kernels.cpu_supports("avx2"):
+        pytest.skip("this CPU lacks avx2")
     return isa
 
 

@@ -11,7 +11,8 @@
 // it with at::mm, single-threaded inside the parallel region, writing the panel's output columns
 // in place (ldc = N). Memory is the blocks plus one panel per thread.
 //
-// `isa`: "" picks the best here ("avx512" where the CPU reports avx512f/bw/vl, else "scalar");
+// `isa`: "" picks the best here ("avx512" where the CPU reports avx512f/bw/vl, else "avx2", else
+// "scalar"; "avx2" is the AVX2 GEMM variant's float dequantization, then the portable rounding);
 // "scalar" pins the portable path: the reference dequantization of the GEMM variant the blocks
 // were packed for, rounded to bf16 one value at a time. Both round to nearest even, as torch.
 #include <ATen/Parallel.h>
@@ -48,12 +49,28 @@ void dequantize_row_bf16_portable(int qtype, const uint8_t* row, int64_t blocks,
   for (int64_t i = 0; i < k; ++i) out[i] = float_to_bf16(scratch[i]);
 }
 
+// AVX2 hosts: the AVX2 GEMM variant's vectorized dequantization, then the portable rounding.
+void dequantize_row_bf16_avx2(int qtype, const uint8_t* row, int64_t blocks, int64_t k, float* scratch,
+                              uint16_t* out, bool) {
+  gguf::avx2_variant().dequantize_row(qtype, row, blocks, scratch);
+  for (int64_t i = 0; i < k; ++i) out[i] = float_to_bf16(scratch[i]);
+}
+
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
 RowFn row_fn(const std::string& isa) {
   if (isa == "scalar") return dequantize_row_bf16_portable;
-  TORCH_CHECK(isa.empty() || isa == "avx512", "prefill: unknown isa '", isa, "'");
+  TORCH_CHECK(isa.empty() || isa == "avx512" || isa == "avx2", "prefill: unknown isa '", isa, "'");
+  if (isa == "avx2") {
+    TORCH_CHECK(has_avx2(), "prefill: this CPU does not run the avx2 variant");
+    return dequantize_row_bf16_avx2;
+  }
   if (has_avx512()) return dequantize_row_bf16_avx512;
   TORCH_CHECK(isa.empty(), "prefill: this CPU does not run the avx512 variant");
-  return dequantize_row_bf16_portable;
+  return has_avx2() ? dequantize_row_bf16_avx2 : dequantize_row_bf16_portable;
 }
 
 struct Weights {

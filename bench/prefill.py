@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             ids = prompt_ids(runner, length)
             for name, timer in timers.items():
                 times[name, length].append(timer(ids))
-                print(f"round {done + 1} {length} {name}: {times[name, length][-1]:.0f} ms", file=sys.stderr)
+                print(
+                    f"round {done + 1} {length} {name}: {times[name, length][-1]:.0f} ms",
+                    file=sys.stderr,
+                )
     _table(times, list(timers), lengths)
     print(f"load after: {os.getloadavg()}", file=sys.stderr)
     return 0

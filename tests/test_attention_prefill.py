@@ -96,7 +96,9 @@ def test_consecutive_blocks_are_read_in_place_and_equal_the_gathered_copy(
     scattered = [RequestSpan(start, n, [3, 4, 6, 5, 7, 8, 9, 10])]
     in_place = AttentionMetadata.build(run, BLOCK, torch.device("cpu"))
     assert in_place.groups[0].first_block == 3
-    assert AttentionMetadata.build(scattered, BLOCK, torch.device("cpu")).groups[0].first_block is None
+    assert (
+        AttentionMetadata.build(scattered, BLOCK, torch.device("cpu")).groups[0].first_block is None
+    )
     gathered = dataclasses.replace(
         in_place, groups=tuple(dataclasses.replace(g, first_block=None) for g in in_place.groups)
     )

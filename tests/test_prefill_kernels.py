@@ -64,7 +64,9 @@ def test_mm_bf16_against_dense_linear(form: str, isa: str, shape: tuple[int, int
     for panel in (16, 64, 256):
         out = torch.ops.specserve_kernels.gguf_mm_bf16(x, blocks, qtype, panel, isa_or_skip(isa))
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
-        torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+        torch.testing.assert_close(
+            out.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item()
+        )
 
 
 def test_mm_bf16_one_and_two_threads_agree() -> None:

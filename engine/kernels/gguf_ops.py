@@ -122,7 +122,9 @@ def _register_fakes() -> None:
         return
 
     @torch.library.register_fake("specserve_kernels::gguf_mm_bf16")  # type: ignore[untyped-decorator]
-    def _(x: torch.Tensor, blocks: torch.Tensor, qtype: int, panel_rows: int, isa: str = "") -> torch.Tensor:
+    def _(
+        x: torch.Tensor, blocks: torch.Tensor, qtype: int, panel_rows: int, isa: str = ""
+    ) -> torch.Tensor:
         return x.new_empty(x.shape[0], blocks.shape[0])
 
     @torch.library.register_fake("specserve_kernels::gguf_dequantize_bf16")  # type: ignore[untyped-decorator]

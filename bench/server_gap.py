@@ -20,32 +20,14 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 
+from bench.engine_args import add_engine_args, cpu_flags
 from bench.serving.launcher import free_port, stop, wait_healthy
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.sample.sampling_params import SamplingParams
 
 PROMPT = "def quicksort(items: list[int]) -> list[int]:\n    "
-FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-
-
-def cpu_flags() -> str:
-    """The CPU model and the SIMD flags the kernels care about, as /proc/cpuinfo names them."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), "?"
-    )
-    flags = next(
-        (ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []
-    )
-    return f"{model}; {' '.join(f for f in FLAGS if f in flags)}"
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
@@ -120,12 +102,8 @@ def streamed_rate(url: str, prompt: list[int], max_tokens: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="bundled:qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quantization", default="w8a8")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    add_engine_args(ap)
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--log", default="/tmp/specserve-server-gap.log", help="the server's log")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.autograd.profiler_util import FunctionEvent
 
-from bench.server_gap import cpu_flags
+from bench.engine_args import cpu_flags
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.model import attention, decoder, native_attention

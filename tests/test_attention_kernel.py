@@ -28,6 +28,14 @@ ISAS = ["scalar"] + [
 ]
 
 
+# bfloat16 caches also have the AVX512-BF16 kernel (scores through `vdpbf16ps`)
+BF16_ISAS = ISAS + [
+    "avx512bf16"
+    for _ in [0]
+    if native_attention.loaded() and torch.ops.specserve_kernels.cpu_supports("avx512bf16")
+]
+
+
 def _pool(kv_heads: int, blocks: int, block_size: int, dim: int, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     shape = (kv_heads, blocks, block_size, dim)
@@ -96,7 +104,7 @@ def test_one_long_request_split_over_ranges(isa: str) -> None:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", BF16_ISAS)
 def test_kernel_bfloat16_close_to_gathered(isa: str) -> None:
     """bfloat16: the same score rounding; probabilities stay float32, so only output-rounding
     differences remain (an ulp or two of bfloat16)."""
@@ -129,6 +137,66 @@ def test_a_request_is_computed_the_same_in_any_batch(isa: str) -> None:
                            isa=isa, split_tokens=8)  # fmt: skip
             assert torch.equal(one[0], batched[offset + j])
         offset += span.num_tokens
+
+
+def _kernel(q, k_cache, v_cache, spans, block_size, isa):  # type: ignore[no-untyped-def]
+    """The kernel over any mix of query lengths, one block table per request."""
+    width = max(len(s.block_table) for s in spans)
+    tables = torch.tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans])
+    starts = torch.tensor([s.start_pos for s in spans])
+    lens = torch.tensor([s.num_tokens for s in spans])
+    return native_attention.paged_attention(
+        q, k_cache, v_cache, tables, starts, lens, q.shape[-1] ** -0.5, isa=isa, split_tokens=32
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", BF16_ISAS)
+def test_prompt_chunks_match_gathered_attention(isa: str, dtype: torch.dtype) -> None:
+    """Prompt chunks (many query tiles, a prefix cached or not, GQA 6) against the padded
+    attention they replace."""
+    if isa == "avx512bf16" and dtype == torch.float32:
+        pytest.skip("the bf16 kernel reads bfloat16 caches only")
+    block_size, dim = 16, 128
+    k_cache, v_cache = _pool(2, 120, block_size, dim, dtype, seed=11)
+    for start, num_tokens in [(0, 40), (37, 70), (300, 17), (0, 200)]:
+        blocks = -(-(start + num_tokens) // block_size)
+        span = RequestSpan(start, num_tokens, list(range(119, 119 - blocks, -1)))
+        q = torch.randn(num_tokens, 12, dim).to(dtype)
+        meta = AttentionMetadata.build([span], block_size, torch.device("cpu"))
+        (group,) = meta.groups
+        mask = attention._bias(attention._mask([span], num_tokens, blocks * block_size, True))
+        keys = attention._gather(k_cache, group.block_tables)
+        values = attention._gather(v_cache, group.block_tables)
+        ref = attention._short_attention(q[None], keys, values, mask, dim**-0.5)[0]
+        out = _kernel(q, k_cache, v_cache, [span], block_size, isa)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", BF16_ISAS)
+def test_a_row_is_the_same_in_a_prompt_chunk_a_verify_and_a_decode(
+    isa: str, dtype: torch.dtype
+) -> None:
+    """Bitwise: each row of a long prompt chunk (batched with decodes) equals the one-token
+    decode of its position and the same row inside a short verify query, so speculation that
+    puts drafts behind a prompt, or a chunking that differs, changes no output."""
+    if isa == "avx512bf16" and dtype == torch.float32:
+        pytest.skip("the bf16 kernel reads bfloat16 caches only")
+    block_size, dim = 16, 64
+    k_cache, v_cache = _pool(2, 200, block_size, dim, dtype, seed=12)
+    chunk = RequestSpan(45, 60, list(range(20, 27)))
+    other = RequestSpan(80, 1, list(range(100, 106)))
+    q = torch.randn(61, 12, dim).to(dtype)
+    batched = _kernel(q, k_cache, v_cache, [other, chunk], block_size, isa)
+    for j in (0, 15, 16, 17, 33, 57):
+        decode = RequestSpan(45 + j, 1, chunk.block_table)
+        one = _kernel(q[1 + j : 2 + j], k_cache, v_cache, [decode], block_size, isa)
+        assert torch.equal(one[0], batched[1 + j]), j
+        verify = RequestSpan(45 + j, 3, chunk.block_table)
+        three = _kernel(q[1 + j : 4 + j], k_cache, v_cache, [verify], block_size, isa)
+        assert torch.equal(three[0], batched[1 + j]), j
 
 
 def test_kernel_rejects_what_it_cannot_read() -> None:

@@ -131,6 +131,42 @@ def test_prefill_path_is_measured_and_both_paths_agree(
 
 
 @needs_kernels
+def test_a_short_request_runs_native_beside_a_long_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dense prefill path is chosen per request chunk, not per call: a decode row batched
+    with a long prompt chunk gets the native result it gets alone (bit for bit), while the
+    chunk's rows run dense; logits rows (not the forward's tokens) run native."""
+    monkeypatch.setitem(native._dense_from, torch.bfloat16, 8)
+    weight = GgufBlocks(random_blocks(T.Q4_K, 32, 256), int(T.Q4_K), 256, "Q4_K")
+    kernel = native.GgufKernel(weight, torch.bfloat16)
+    x = torch.randn(13, 256)
+    with native.forward_chunks([1, 12]):
+        mixed = kernel(x)
+        logits_rows = kernel(x[:9])
+    # bf16 dense output: the native row is rounded to bf16 there, as the layer rounds it anyway
+    assert torch.equal(mixed[:1], kernel.native(x[:1]).to(mixed.dtype))
+    assert torch.equal(mixed[1:], kernel.dense(x[1:]))
+    assert torch.equal(logits_rows, kernel.native(x[:9]))
+    assert torch.equal(kernel(x), kernel.dense(x))  # outside a forward: one chunk
+
+
+@needs_kernels
+def test_speculative_greedy_equals_plain_across_prompt_lengths(
+    tiny_gguf: Path, tiny_draft_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16, prompts on both sides of the short-query limit and of the dense prefill path
+    (forced low here), concurrent requests: drafts never move a row to another kernel."""
+    monkeypatch.setitem(native._dense_from, torch.bfloat16, 20)
+    spec = SpeculativeConfig(
+        method="draft", num_speculative_tokens=4, adaptive=False, draft_model=str(tiny_draft_dir)
+    )
+    plain = make_engine(tiny_gguf, quantization="gguf", dtype="bfloat16")
+    speculative = make_engine(tiny_gguf, quantization="gguf", dtype="bfloat16", speculative=spec)
+    prompts = random_prompts(6, (10, 45), 300, seed=8)
+    params = greedy(12)
+    assert outputs(speculative, prompts, params) == outputs(plain, prompts, params)
+
+
+@needs_kernels
 def test_bf16_prefill_gemm_agrees_with_the_dequantized_linear(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

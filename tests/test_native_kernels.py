@@ -129,6 +129,35 @@ def test_a_row_is_the_same_alone_or_in_any_batch(form: str, variant: str) -> Non
         assert torch.equal(batch, alone[16 - m :]), f"rows {16 - m}.. in a batch of {m}"
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_X"])
+def test_two_activation_passes(form: str, variant: str) -> None:
+    """The second pass rounds what the first left: within the bound of a rounding of the
+    residual (its amax / 254 per block, ~1/127 of the first's), a row the same alone or in any
+    batch, and the variant's result close to the scalar reference's."""
+    k, n, m = 512, 37, 12
+    qtype = file_type(form)
+    values = 256 if qtype in (T.Q4_K, T.Q6_K) else 32
+    raw = random_blocks(qtype, n, k, seed=7)
+    blocks, packed = operands(form, raw, variant)
+    w = gguf_reference(raw, qtype)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7))
+    x[:, 5] = 40.0  # an outlier channel, as real activations have
+    exact = x.double() @ w.T
+    one = gguf_ops.mm(x, blocks, packed, variant).double()
+    two = gguf_ops.mm(x, blocks, packed, variant, passes=2).double()
+    amax = x.double().abs().view(m, -1, values).amax(-1)
+    w_abs = w.abs().view(n, -1, values).sum(-1)
+    bound = (amax / 254 / 127) @ w_abs.T * 1.01 + 1e-5 * (x.double().abs() @ w.abs().T)
+    assert ((two - exact).abs() <= bound).all()
+    assert (two - exact).abs().mean() < (one - exact).abs().mean() / 20
+    for i in range(m):
+        alone = gguf_ops.mm(x[i : i + 1], blocks, packed, variant, passes=2)
+        assert torch.equal(alone[0], two[i].float()), i
+    ref = gguf_ops.mm(x, raw, int(qtype), "scalar", passes=2).double()
+    assert ((two - ref).abs() <= 1e-5 * (x.double().abs() @ w.abs().T)).all()
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0], ids=lambda t: t.name)
 def test_one_and_two_threads_agree(qtype: T) -> None:
     blocks = random_blocks(qtype, 300, 512, seed=6)

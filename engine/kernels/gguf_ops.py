@@ -59,9 +59,12 @@ def pack(blocks: torch.Tensor, qtype: int, variant: str = "") -> tuple[torch.Ten
     return packed, int(packed_type)
 
 
-def mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, variant: str = "") -> torch.Tensor:
-    """x [M, K] float32 times the blocks' matrix [N, K] transposed: [M, N] float32."""
-    out: torch.Tensor = torch.ops.specserve_kernels.gguf_mm(x, blocks, qtype, variant)
+def mm(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: int, variant: str = "", passes: int = 1
+) -> torch.Tensor:
+    """x [M, K] float32 times the blocks' matrix [N, K] transposed: [M, N] float32. The
+    activations are rounded to int8 once, or (passes=2) again for what the first rounding left."""
+    out: torch.Tensor = torch.ops.specserve_kernels.gguf_mm(x, blocks, qtype, variant, passes)
     return out
 
 
@@ -109,7 +112,9 @@ def row_bytes(qtype: int, in_features: int) -> int:
 @cache
 def _register_fakes() -> None:
     @torch.library.register_fake("specserve_kernels::gguf_mm")  # type: ignore[untyped-decorator]
-    def _(x: torch.Tensor, blocks: torch.Tensor, qtype: int, variant: str = "") -> torch.Tensor:
+    def _(
+        x: torch.Tensor, blocks: torch.Tensor, qtype: int, variant: str = "", passes: int = 1
+    ) -> torch.Tensor:
         return x.new_empty(x.shape[0], blocks.shape[0])
 
     @torch.library.register_fake("specserve_kernels::gguf_dequantize")  # type: ignore[untyped-decorator]

@@ -3,14 +3,15 @@
 Decodes and verify queries (up to SHORT_QUERY_MAX tokens a request) on the CPU read K and V in
 place from the pool through the block tables, instead of gathering every request's context into
 a padded copy per layer (engine.model.attention's `_gather`). Used when the native library loads
-and offers the op, for float32 caches; `SPECSERVE_NATIVE_ATTENTION=0` turns it off, and
-everything else (prompt chunks, other devices, bfloat16 and float16, compiled graphs) keeps the
-gathered path.
+and offers the op, for float32 and bfloat16 caches; `SPECSERVE_NATIVE_ATTENTION=0` turns it off,
+and everything else (prompt chunks, other devices, float16, compiled graphs) keeps the gathered
+path.
 
-bfloat16 is off until a verify row is shown bit-equal to the decode of the same position: with a
-bf16 GGUF model, speculative greedy output differed from plain greedy in one token
-(tests/test_gguf_linear.py::test_speculative_greedy_equals_plain[untied]), and lossless comes
-first. The op itself handles bf16 and is tested against the reference in both dtypes.
+A row's result does not depend on the query it is part of (its length, its tile, the batch),
+so a verify row equals the decode of its position bit for bit. Prompt chunks stay on SDPA,
+several times faster there (AMX / AVX512-BF16 GEMM tiles); the scheduler never puts drafts behind
+a chunk that would make the query long (engine.core.scheduler), so no row changes kernel
+between plain and speculative decoding.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from functools import cache
 
 import torch
 
-_DTYPES = (torch.float32,)  # bf16: see the module docstring
+_DTYPES = (torch.float32, torch.bfloat16)
 # head_dims the SIMD kernels are compiled for (attention.cpp `avx512_for`, `avx2_for`); elsewhere,
 # and on a CPU without AVX2, only the scalar reference would run: the gathered path is faster.
 _SIMD_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
@@ -65,7 +66,7 @@ def paged_attention(
     start_pos: torch.Tensor,  # [batch] int64: tokens cached before this pass
     query_lens: torch.Tensor,  # [batch] int64: new tokens, summing to `tokens`
     scale: float,
-    isa: str = "auto",  # "scalar", "avx2" or "avx512" to pin a variant (tests)
+    isa: str = "auto",  # "scalar", "avx2", "avx512" or "avx512bf16" to pin a variant (tests)
     split_tokens: int = 256,  # a request's context is split into ranges of this many tokens
 ) -> torch.Tensor:  # [tokens, heads, head_dim]
     return torch.ops.specserve_kernels.paged_attention(

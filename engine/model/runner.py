@@ -19,6 +19,7 @@ from engine.model.loader import LoadedModel
 from engine.model.parallel.layers import shard_decoder
 from engine.model.parallel.state import TensorParallel, tensor_parallel_for
 from engine.model.quant.model import WeightSummary, quantize_mode, summarize, swap_in_quantized
+from engine.model.quant.native import forward_chunks
 
 log = logging.getLogger("specserve.engine")
 
@@ -173,15 +174,16 @@ class ModelRunner:
         # the compiled graph runs only batches of one request: only those need its one structure
         uniform = self.decode_graph is not None and len(spans) == 1
         meta = AttentionMetadata.build(spans, self.block_size, self.device, uniform)
-        hidden = self.model(
-            input_ids.to(self.device, non_blocking=True),
-            positions.to(self.device, non_blocking=True),
-            self.kv_caches,
-            meta,
-        )  # [num_tokens, hidden]
-        if logit_rows.numel() != hidden.shape[0]:
-            hidden = hidden[logit_rows.to(self.device, non_blocking=True)]
-        return self.model.compute_logits(hidden)
+        with forward_chunks([span.num_tokens for span in spans]):
+            hidden = self.model(
+                input_ids.to(self.device, non_blocking=True),
+                positions.to(self.device, non_blocking=True),
+                self.kv_caches,
+                meta,
+            )  # [num_tokens, hidden]
+            if logit_rows.numel() != hidden.shape[0]:
+                hidden = hidden[logit_rows.to(self.device, non_blocking=True)]
+            return self.model.compute_logits(hidden)
 
 
 def _flatten(

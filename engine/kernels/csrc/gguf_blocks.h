@@ -195,7 +195,8 @@ Variant avx512_variant();
 // The reference's own pieces, shared with the op: one block to floats, and one activation row
 // rounded into `row` (ActLayout::row_bytes bytes).
 void dequantize_block(int qtype, const uint8_t* block, float* out);
-void quantize_row(const float* x, const ActLayout& layout, uint8_t* row);
+// `residual` (optional, [K]): what the rounding left, x - d * q, for a second pass.
+void quantize_row(const float* x, const ActLayout& layout, uint8_t* row, float* residual = nullptr);
 // One Q4_K block (144 B) to Q4_K_X (148 B).
 void pack_q4_k_x(const uint8_t* block, uint8_t* out);
 

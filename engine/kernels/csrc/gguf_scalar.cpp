@@ -213,7 +213,7 @@ void dequantize_block(int qtype, const uint8_t* block, float* out) {
   for (int i = 0; i < 32; ++i) out[i] = d * float(q[i]);
 }
 
-void quantize_row(const float* x, const ActLayout& layout, uint8_t* row) {
+void quantize_row(const float* x, const ActLayout& layout, uint8_t* row, float* residual) {
   int8_t* q = reinterpret_cast<int8_t*>(row);
   int16_t* sums = reinterpret_cast<int16_t*>(row + layout.sums_offset);
   float* dsums = reinterpret_cast<float*>(row + layout.dsums_offset);
@@ -227,6 +227,9 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row) {
     const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
     for (int i = 0; i < block; ++i) {
       q[b * block + i] = int8_t(std::clamp(round_nearest(xb[i] * inverse), -127, 127));
+    }
+    if (residual != nullptr) {
+      for (int i = 0; i < block; ++i) residual[b * block + i] = xb[i] - d * float(q[b * block + i]);
     }
     if (layout.k_quant) {
       d_out[b] = d;

@@ -119,3 +119,14 @@ def test_mm_bf16_under_inference_mode() -> None:
     with torch.inference_mode():
         got = gguf_ops.mm_bf16(x, blocks, qtype)
     assert torch.equal(got, want)
+
+
+def test_mm_bf16_a_row_is_the_same_alone_or_in_any_batch() -> None:
+    """Every GEMM call has one shape (64-row blocks, the last padded): a prompt chunk's rows do
+    not depend on what shares its step, which keeps speculative greedy equal to plain."""
+    blocks, qtype = operands("Q4_K", 300, 512, seed=6)
+    x = torch.randn(150, 512, generator=torch.Generator().manual_seed(6)).bfloat16()
+    alone = torch.cat([gguf_ops.mm_bf16(x[i : i + 1], blocks, qtype) for i in range(0, 150, 7)])
+    for m in (1, 17, 64, 65, 130, 150):
+        batch = gguf_ops.mm_bf16(x[:m], blocks, qtype)
+        assert torch.equal(batch[::7], alone[: len(range(0, m, 7))]), f"a batch of {m}"

@@ -9,7 +9,8 @@
 // of `panel_rows`; each thread dequantizes one panel at a time into its own bf16 buffer (64 rows
 // x K = 192 KiB at K = 1536, 1.1 MiB at K = 8960: it stays in L2) and multiplies the whole x by
 // it with at::mm, single-threaded inside the parallel region, writing the panel's output columns
-// in place (ldc = N). Memory is the blocks plus one panel per thread.
+// in place (ldc = N), 64 rows of x per call (RowBlocks: a row's result independent of its batch).
+// Memory is the blocks plus one panel per thread.
 //
 // `isa`: "" picks the best here ("avx512" where the CPU reports avx512f/bw/vl, else "avx2", else
 // "scalar"; "avx2" is the AVX2 GEMM variant's float dequantization, then the portable rounding);
@@ -19,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
@@ -102,6 +104,40 @@ void dequantize_rows(const Weights& w, int64_t begin, int64_t end, RowFn fn, boo
 
 uint16_t* bf16_data(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
+// x times a panel, kRowBlock rows of x per GEMM call, the last block zero-padded: every call has
+// one shape, so a row's result never depends on how many rows came with it (oneDNN picks its
+// blocking, and with it the summation order, from the shape). A prompt chunk's rows are then the
+// same whatever decodes or verify rows share its step: speculative greedy equals plain greedy.
+constexpr int64_t kRowBlock = 64;
+
+class RowBlocks {
+ public:
+  explicit RowBlocks(const at::Tensor& x) : x_(x), m_(x.size(0)) {
+    const int64_t tail = m_ % kRowBlock;
+    if (tail == 0) return;
+    padded_ = at::zeros({kRowBlock, x.size(1)}, x.options());  // [kRowBlock, K]
+    padded_.narrow(0, 0, tail).copy_(x.narrow(0, m_ - tail, tail));
+  }
+
+  // out [M, rows] (row stride N) = x [M, K] . panel [rows, K]^T
+  void multiply(const at::Tensor& panel, at::Tensor out) {
+    const at::Tensor weights = panel.t();  // [K, rows]
+    const int64_t full = m_ - m_ % kRowBlock;
+    for (int64_t r = 0; r < full; r += kRowBlock) {
+      at::Tensor block = out.narrow(0, r, kRowBlock);
+      at::mm_out(block, x_.narrow(0, r, kRowBlock), weights);
+    }
+    if (full == m_) return;
+    at::Tensor tail = at::mm(padded_, weights);  // [kRowBlock, rows]
+    out.narrow(0, full, m_ - full).copy_(tail.narrow(0, 0, m_ - full));
+  }
+
+ private:
+  const at::Tensor& x_;
+  int64_t m_;
+  at::Tensor padded_;
+};
+
 }  // namespace
 
 at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t qtype, const std::string& isa) {
@@ -135,11 +171,11 @@ at::Tensor gguf_mm_bf16(const at::Tensor& x_in, const at::Tensor& blocks, int64_
     c10::InferenceMode guard(inference);
     at::Tensor panel = at::empty({panel_rows, w.k}, x.options());  // [panel_rows, K]
     std::vector<float> scratch(w.k);
+    RowBlocks blocks(x);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * panel_rows, rows = std::min(panel_rows, w.n - first);
       dequantize_rows(w, first, first + rows, fn, native_bf16, scratch.data(), bf16_data(panel));
-      at::Tensor columns = out.narrow(1, first, rows);  // [M, rows], row stride N
-      at::mm_out(columns, x, panel.narrow(0, 0, rows).t());
+      blocks.multiply(panel.narrow(0, 0, rows), out.narrow(1, first, rows));
     }
   });
   return out;

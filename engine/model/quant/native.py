@@ -70,12 +70,16 @@ class GgufKernel:
             return self.dense(x)
         if native_rows.numel() == x.shape[0]:
             return self.native(x)
-        out = self.dense(x)  # the few short rows computed twice: cheaper than splitting the call
+        # the few short rows computed twice: cheaper than splitting the call; float32, so that a
+        # native row (a logits row of the head too) is what it is alone
+        out = self.dense(x).float()
         out[native_rows] = self.native(x[native_rows])
         return out
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        return gguf_ops.mm(x.float().contiguous(), self.blocks, self.qtype, passes=ACTIVATION_PASSES)
+        return gguf_ops.mm(
+            x.float().contiguous(), self.blocks, self.qtype, passes=ACTIVATION_PASSES
+        )
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense_dtype == torch.bfloat16 and gguf_ops.has_prefill_ops():

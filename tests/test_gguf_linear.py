@@ -169,9 +169,9 @@ def test_speculative_greedy_equals_plain_across_prompt_lengths(
 def test_bf16_prefill_gemm_agrees_with_the_dequantized_linear(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bf16 model's prompt chunk through gguf_mm_bf16 (panels, no bf16 weight copy) against
-    the former dense path (the whole weight dequantized, then F.linear): same bf16 operands, so
-    only the GEMM's summation order differs."""
+    """A bf16 model's prompt chunk through the native bf16 dequantization against the former
+    dense path (float32 dequantization, then `.to(bfloat16)`): the weights differ by at most one
+    bf16 step where an FMA rounds once, so the logits stay within bf16 noise."""
     if not gguf_ops.has_prefill_ops():
         pytest.skip("the prefill ops are not in the library")
     monkeypatch.setitem(native._dense_from, torch.bfloat16, 17)  # prompt chunks dense
@@ -187,7 +187,7 @@ def test_bf16_prefill_gemm_with_chunks_and_prefix_cache(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prompts chunked (17-row chunks run dense) and a second round served from the prefix cache
-    give the tokens that one unchunked, uncached run gives, every row through gguf_mm_bf16."""
+    give the tokens that one unchunked, uncached run gives, every row through the dense path."""
     if not gguf_ops.has_prefill_ops():
         pytest.skip("the prefill ops are not in the library")
     monkeypatch.setitem(native._dense_from, torch.bfloat16, 0)  # every row dense: one kernel

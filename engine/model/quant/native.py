@@ -3,9 +3,10 @@
 Decode and verify rows go through `gguf_mm`: activations rounded to int8 per row, every weight
 block unpacked once for all the rows, a row's result the same alone or in any batch. A prefill
 chunk of many rows takes whichever path is faster on this CPU: the same kernel, or the dense
-one: for a bf16 model `gguf_mm_bf16` (panels of weight rows dequantized to bf16 in a cache-sized
-buffer and multiplied by torch's bf16 GEMM, AMX or AVX512-BF16 where the CPU has them; no full
-bf16 copy of a weight exists), for a float32 model the blocks dequantized for the call. That row
+one: the blocks dequantized for the call (for a bf16 model straight to bf16 by the native
+`gguf_dequantize_bf16`, ~17x faster than float32 then `.to`) and torch's GEMM (AMX or AVX512-BF16
+where the CPU has them). The panel-tiled `gguf_mm_bf16`, which never holds a whole bf16 weight,
+measured slower here once made batch-invariant (docs/KERNELS.md), so the transient copy stays. That row
 count is measured once per process, on the first weight big enough to tell, at load, and logged;
 it is never below the verify rows.
 
@@ -46,7 +47,7 @@ _dense_from: dict[torch.dtype, int] = {}  # by dense dtype: rows from which the 
 
 
 class GgufKernel:
-    """y = x W^T with W the file's blocks; float32 out, except bf16 from the bf16 prefill GEMM
+    """y = x W^T with W the file's blocks; float32 out, except bf16 from the bf16 dense path
     (the layer's own dtype: a float32 round trip would only add two copies of the output)."""
 
     name = "gguf"
@@ -83,7 +84,8 @@ class GgufKernel:
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense_dtype == torch.bfloat16 and gguf_ops.has_prefill_ops():
-            return gguf_ops.mm_bf16(x.to(torch.bfloat16).contiguous(), self.blocks, self.qtype)
+            w = gguf_ops.dequantize_bf16(self.blocks, self.qtype)  # [N, K], freed after the call
+            return F.linear(x.to(torch.bfloat16), w)
         w = gguf_ops.dequantize(self.blocks, self.qtype).to(self.dense_dtype)  # [N, K]
         return F.linear(x.to(self.dense_dtype), w).float()
 

@@ -6,7 +6,8 @@ llama.cpp's prompt eval on the same file and token ids, interleaved in one proce
 
 `before` is the former prompt path, restored in place: the blocks dequantized to float32 and
 converted to bf16 per call, then F.linear; attention over a gathered copy of the context.
-`after` is the current one: gguf_mm_bf16 panels, attention in place on consecutive blocks.
+`after` is the current one: native bf16 dequantization + F.linear, attention in place on
+consecutive blocks.
 Both share one runner and its start-up choice of the dense row count. Cells are medians, ms.
 """
 

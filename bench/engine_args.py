@@ -9,7 +9,16 @@ import torch
 
 BUNDLED_TARGET = "bundled:qwen2.5-coder-1.5b-instruct"
 # The SIMD flags the kernels choose by, as /proc/cpuinfo names them.
-FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 
 
 def add_engine_args(

@@ -42,7 +42,7 @@ def source_tokens(tokenizer: object, n: int) -> list[int]:
     text = "\n\n".join(p.read_text() for p in sorted(SOURCE.rglob("*.py")))
     ids: list[int] = tokenizer(text)["input_ids"]  # type: ignore[operator]
     if len(ids) < n:
-        ids = (ids * (n // len(ids) + 1))
+        ids = ids * (n // len(ids) + 1)
     return ids[:n]
 
 
@@ -66,7 +66,9 @@ def specserve_runs(
     return [(s[0] - started, s) for s in stamps.values()]
 
 
-def specserve_table(args: argparse.Namespace) -> tuple[dict[int, Run], float | None, list[list[int]]]:
+def specserve_table(
+    args: argparse.Namespace,
+) -> tuple[dict[int, Run], float | None, list[list[int]]]:
     config = EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
         num_threads=args.threads, max_num_seqs=max(16, args.batch),

@@ -28,6 +28,8 @@ from engine.core.llm_engine import LLMEngine
 from engine.sample.sampling_params import SamplingParams
 
 PROMPT = "def quicksort(items: list[int]) -> list[int]:\n    "
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,

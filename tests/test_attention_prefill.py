@@ -83,3 +83,35 @@ def test_chunks_behind_a_cached_prefix_keep_their_mask(gpu_path: None) -> None:
 def test_a_cpu_keeps_the_masked_prefill() -> None:
     meta = AttentionMetadata.build([RequestSpan(0, 30, list(range(8)))], BLOCK, torch.device("cpu"))
     assert not meta.groups[0].causal and meta.groups[0].mask is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_consecutive_blocks_are_read_in_place_and_equal_the_gathered_copy(
+    dtype: torch.dtype,
+) -> None:
+    """A long chunk behind a cached prefix whose blocks are one run of the pool attends to a view
+    of it; a run out of order gathers. Both give the same values, bit for bit."""
+    n, start = 23, 9
+    run = [RequestSpan(start, n, [3, 4, 5, 6, 7, 8, 9, 10])]
+    scattered = [RequestSpan(start, n, [3, 4, 6, 5, 7, 8, 9, 10])]
+    in_place = AttentionMetadata.build(run, BLOCK, torch.device("cpu"))
+    assert in_place.groups[0].first_block == 3
+    assert (
+        AttentionMetadata.build(scattered, BLOCK, torch.device("cpu")).groups[0].first_block is None
+    )
+    gathered = dataclasses.replace(
+        in_place, groups=tuple(dataclasses.replace(g, first_block=None) for g in in_place.groups)
+    )
+    q, k, v = _qkv(n, dtype, seed=3)
+    pool = _pool(12, dtype)
+    pool[0].normal_(generator=torch.Generator().manual_seed(4))  # the cached prefix
+    pool[1].normal_(generator=torch.Generator().manual_seed(5))
+    got = paged_attention(q, k, v, pool[0].clone(), pool[1].clone(), in_place, DIM**-0.5)
+    want = paged_attention(q, k, v, pool[0].clone(), pool[1].clone(), gathered, DIM**-0.5)
+    assert torch.equal(got, want)
+
+
+def test_short_and_batched_groups_never_take_the_view() -> None:
+    spans = [RequestSpan(0, 3, [0]), RequestSpan(0, 5, [1, 2])]
+    meta = AttentionMetadata.build(spans, BLOCK, torch.device("cpu"))
+    assert all(group.first_block is None for group in meta.groups)

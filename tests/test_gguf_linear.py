@@ -143,7 +143,7 @@ def test_a_short_request_runs_native_beside_a_long_chunk(monkeypatch: pytest.Mon
         mixed = kernel(x)
         logits_rows = kernel(x[:9])
     assert torch.equal(mixed[:1], kernel.native(x[:1]))
-    assert torch.equal(mixed[1:], kernel.dense(x[1:]))
+    assert torch.equal(mixed[1:], kernel.dense(x[1:]).float())
     assert torch.equal(logits_rows, kernel.native(x[:9]))
     assert torch.equal(kernel(x), kernel.dense(x))  # outside a forward: one chunk
 
@@ -163,3 +163,40 @@ def test_speculative_greedy_equals_plain_across_prompt_lengths(
     prompts = random_prompts(6, (10, 45), 300, seed=8)
     params = greedy(12)
     assert outputs(speculative, prompts, params) == outputs(plain, prompts, params)
+
+
+@needs_kernels
+def test_bf16_prefill_gemm_agrees_with_the_dequantized_linear(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 model's prompt chunk through the native bf16 dequantization against the former
+    dense path (float32 dequantization, then `.to(bfloat16)`): the weights differ by at most one
+    bf16 step where an FMA rounds once, so the logits stay within bf16 noise."""
+    if not gguf_ops.has_prefill_ops():
+        pytest.skip("the prefill ops are not in the library")
+    monkeypatch.setitem(native._dense_from, torch.bfloat16, 17)  # prompt chunks dense
+    ids = list(range(3, 60))
+    _, ours = _logits(tiny_gguf, "gguf", "bfloat16", ids)
+    monkeypatch.setattr(gguf_ops, "has_prefill_ops", lambda: False)
+    _, former = _logits(tiny_gguf, "gguf", "bfloat16", ids)
+    assert ((ours - former).norm() / former.norm()).item() < 0.02
+
+
+@needs_kernels
+def test_bf16_prefill_gemm_with_chunks_and_prefix_cache(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts chunked (17-row chunks run dense) and a second round served from the prefix cache
+    give the tokens that one unchunked, uncached run gives, every row through the dense path."""
+    if not gguf_ops.has_prefill_ops():
+        pytest.skip("the prefill ops are not in the library")
+    monkeypatch.setitem(native._dense_from, torch.bfloat16, 0)  # every row dense: one kernel
+    prompts = random_prompts(3, (30, 60), 300, seed=7)
+    whole = make_engine(tiny_gguf, quantization="gguf", dtype="bfloat16")
+    want = outputs(whole, prompts, greedy(6))
+    chunked = make_engine(
+        tiny_gguf, quantization="gguf", dtype="bfloat16", max_num_batched_tokens=17,
+        enable_prefix_caching=True,
+    )  # fmt: skip
+    assert outputs(chunked, prompts, greedy(6)) == want
+    assert outputs(chunked, prompts, greedy(6)) == want  # the second time from the prefix cache

@@ -25,11 +25,17 @@ def test_library_builds_and_registers_its_ops():
     assert "cpu_supports" in build.ops()
 
 
-@pytest.mark.skipif(not HAS_COMPILER or not Path("/proc/cpuinfo").exists(), reason="needs /proc/cpuinfo")
+@pytest.mark.skipif(
+    not HAS_COMPILER or not Path("/proc/cpuinfo").exists(), reason="needs /proc/cpuinfo"
+)
 def test_isa_is_read_from_the_running_cpu():
     assert build.load()
     flags = cpuinfo_flags()
-    for feature, flag in [("avx2", "avx2"), ("avx512vnni", "avx512_vnni"), ("avx512bf16", "avx512_bf16")]:
+    for feature, flag in [
+        ("avx2", "avx2"),
+        ("avx512vnni", "avx512_vnni"),
+        ("avx512bf16", "avx512_bf16"),
+    ]:
         assert torch.ops.specserve_kernels.cpu_supports(feature) == (flag in flags), feature
     assert not torch.ops.specserve_kernels.cpu_supports("no-such-feature")
 
@@ -39,7 +45,10 @@ def test_switched_off_means_not_loaded():
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={"SPECSERVE_NATIVE_KERNELS": "0", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
-        capture_output=True, text=True, cwd=Path(__file__).parent.parent, check=True,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        check=True,
     )
     assert out.stdout.strip() == "False"
 

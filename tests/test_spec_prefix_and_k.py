@@ -51,10 +51,7 @@ def test_prefix_served_plainly_first_keeps_full_acceptance(
     # from them with nothing to catch up on, and still accepts everything.
     again = engine.generate([shared + [4, 6]], greedy(16))[0]
     assert again.num_cached_tokens == 44 and again.spec.acceptance_rate == 1.0
-    assert (
-        engine.block_manager.num_draft_computed(engine.block_manager.match_prefix(shared))
-        > 0
-    )
+    assert engine.block_manager.num_draft_computed(engine.block_manager.match_prefix(shared)) > 0
 
 
 def test_full_acceptance_after_preemption_and_recompute(tiny_model_dir: Path, vocab: int) -> None:

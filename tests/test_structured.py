@@ -149,7 +149,9 @@ class FuzzProposer:
         k = min(item.num_spec_tokens, self.rng.randint(0, 6))
         if k == 0:
             return Proposal.empty()
-        legal = structured.forced_tokens(item.seq.constraint, k)  # sometimes propose the right thing
+        legal = structured.forced_tokens(
+            item.seq.constraint, k
+        )  # sometimes propose the right thing
         drafts = [legal[i] if i < len(legal) and self.rng.random() < 0.5 else self.rng.randrange(self.vocab) for i in range(k)]  # fmt: skip
         gen = torch.Generator().manual_seed(self.rng.randrange(1 << 30))
         probs = torch.rand((k, self.vocab), generator=gen)

@@ -2,7 +2,9 @@
 shapes torch.compile traces them with.
 
 `mm(x, blocks, qtype)` multiplies float32 activation rows by a matrix held as the file's own
-blocks (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K); `dequantize` turns the blocks into float32. The C++
+blocks (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K); `dequantize` turns the blocks into float32.
+`mm_bf16` is the prompt-chunk GEMM (csrc/prefill.cpp): panels of weight rows dequantized to bf16
+in a cache-sized buffer and multiplied by torch's bf16 GEMM; `dequantize_bf16` the whole matrix. The C++
 side picks its ISA variant from the running CPU; `variant` names one only for tests and benchmarks.
 """
 
@@ -77,6 +79,37 @@ def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:  # [N, bytes] 
     return out
 
 
+# Bytes of one thread's bf16 weight panel in mm_bf16, about a recent Xeon's L2 (2 MiB a core):
+# smaller panels cost more per GEMM call than they save (measured in docs/KERNELS.md).
+PANEL_BYTES = 2 * 1024 * 1024
+
+
+def panel_rows(in_features: int) -> int:
+    """Weight rows per panel for mm_bf16: a power of two in [32, 256], about PANEL_BYTES."""
+    rows = 32
+    while rows < 256 and (2 * rows) * in_features * 2 <= PANEL_BYTES:
+        rows *= 2
+    return rows
+
+
+def has_prefill_ops() -> bool:
+    """Whether the loaded library offers the bf16 prefill ops (csrc/prefill.cpp)."""
+    return available() and "gguf_mm_bf16" in build.ops()
+
+
+def mm_bf16(x: torch.Tensor, blocks: torch.Tensor, qtype: int, isa: str = "") -> torch.Tensor:
+    """x [M, K] bf16 times the blocks' matrix [N, K] transposed: [M, N] bf16, no [N, K] copy."""
+    rows = panel_rows(x.shape[1])
+    out: torch.Tensor = torch.ops.specserve_kernels.gguf_mm_bf16(x, blocks, qtype, rows, isa)
+    return out
+
+
+def dequantize_bf16(blocks: torch.Tensor, qtype: int, isa: str = "") -> torch.Tensor:
+    """[N, bytes] -> [N, K] bf16, rounded to nearest even as torch's `.to(torch.bfloat16)`."""
+    out: torch.Tensor = torch.ops.specserve_kernels.gguf_dequantize_bf16(blocks, qtype, isa)
+    return out
+
+
 def row_bytes(qtype: int, in_features: int) -> int:
     values, nbytes = FORMATS[qtype]
     return in_features // values * nbytes
@@ -95,3 +128,18 @@ def _register_fakes() -> None:
         values, nbytes = FORMATS[qtype]
         k = blocks.shape[1] // nbytes * values
         return blocks.new_empty(blocks.shape[0], k, dtype=torch.float32)
+
+    if "gguf_mm_bf16" not in build.ops():
+        return
+
+    @torch.library.register_fake("specserve_kernels::gguf_mm_bf16")  # type: ignore[untyped-decorator]
+    def _(
+        x: torch.Tensor, blocks: torch.Tensor, qtype: int, panel_rows: int, isa: str = ""
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
+    @torch.library.register_fake("specserve_kernels::gguf_dequantize_bf16")  # type: ignore[untyped-decorator]
+    def _(blocks: torch.Tensor, qtype: int, isa: str = "") -> torch.Tensor:
+        values, nbytes = FORMATS[qtype]
+        k = blocks.shape[1] // nbytes * values
+        return blocks.new_empty(blocks.shape[0], k, dtype=torch.bfloat16)

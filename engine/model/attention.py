@@ -7,7 +7,10 @@ causal + padding mask. Requests are grouped so that one long prefill chunk does 
 single-token decode in the batch up to its length: short queries (decodes, k+1 verify queries)
 share one group, each long query gets its own.
 
-Long queries go through SDPA. Short ones use eager attention (two batched matmuls, the query
+Long queries go through SDPA. A long query's request whose blocks are one consecutive run of the
+pool (the usual case: a prompt's blocks are allocated together) attends to zero-copy views of the
+pool instead of a gathered copy (`first_block`); SDPA reads the same values, so the result is the
+same. Short ones use eager attention (two batched matmuls, the query
 heads of a KV head stacked as rows): CPU SDPA kernels are 10-40x slower for a batch of
 one-token queries. On a CPU without native bf16 dot products (AVX2) those matmuls run in
 float32, 5-10x faster there than bf16 (16 decodes at 300 tokens of context: a 1.5B step
@@ -64,6 +67,9 @@ class AttentionGroup:
     # A prompt chunk with nothing cached before it, on a GPU: plain causal attention over its own
     # tokens, SDPA's is_causal with no mask (a mask rules out the flash kernel).
     causal: bool = False
+    # A long query whose request's blocks are first_block, first_block + 1, ...: SDPA reads the
+    # pool in place through a view (no gather); None when they are not consecutive.
+    first_block: int | None = None
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,15 @@ def _build_group(
         start_pos=_lengths([span.start_pos for span in run], device) if short else None,
         query_lens=_lengths([span.num_tokens for span in run], device) if short else None,
         causal=causal,
+        first_block=None if short or len(run) > 1 else _first_of_run(run[0], block_size),
     )
+
+
+def _first_of_run(span: RequestSpan, block_size: int) -> int | None:
+    """The span's first block when its blocks are consecutive in the pool, else None."""
+    table = span.block_table[: -(-span.context_len // block_size)]
+    first = table[0]
+    return first if all(b == first + i for i, b in enumerate(table)) else None
 
 
 def _lengths(values: list[int], device: torch.device) -> torch.Tensor:
@@ -232,8 +246,8 @@ def _group_attention(
     if group.start_pos is not None and native_attention.usable(q):
         return _native_attention(q, k_cache, v_cache, group, scale)
     qg = _pad_queries(q[group.token_start : group.token_end], group)  # [B, Q, heads, dim]
-    keys = _gather(k_cache, group.block_tables)  # [kv_heads, B, L, dim]
-    values = _gather(v_cache, group.block_tables)
+    keys = _context(k_cache, group)  # [kv_heads, B, L, dim]
+    values = _context(v_cache, group)
     if group.max_query_len <= SHORT_QUERY_MAX:
         out = _short_attention(qg, keys, values, group.mask, scale)
     elif group.causal:  # the keys past the chunk's own are the last block's unwritten slots
@@ -340,6 +354,19 @@ def _pad_queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     padded = q.new_zeros(group.batch * group.max_query_len, *q.shape[1:])
     padded.index_copy_(0, group.query_index, q)
     return padded.view(group.batch, group.max_query_len, *q.shape[1:])
+
+
+def _context(
+    cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, dim]
+    group: AttentionGroup,
+) -> torch.Tensor:  # [kv_heads, batch, max_blocks * block_size, dim]
+    """The group's keys or values: a view of the pool when its one request's blocks are
+    consecutive, else a gathered copy."""
+    if group.first_block is None:
+        return _gather(cache, group.block_tables)
+    blocks = group.block_tables.shape[1]
+    run = cache[:, group.first_block : group.first_block + blocks]  # [kv_heads, blocks, bs, dim]
+    return run.reshape(cache.shape[0], 1, -1, cache.shape[-1])
 
 
 def _gather(

@@ -2,10 +2,13 @@
 
 Decode and verify rows go through `gguf_mm`: activations rounded to int8 per row, every weight
 block unpacked once for all the rows, a row's result the same alone or in any batch. A prefill
-chunk of many rows takes whichever path is faster on this CPU: the same kernel, or the blocks
-dequantized to bf16 for the call and torch's GEMM (AMX or AVX512-BF16 make the latter win from
-some row count on). That count is measured once per process, on the first weight big enough to
-tell, at load, and logged; it is never below the verify rows.
+chunk of many rows takes whichever path is faster on this CPU: the same kernel, or the dense
+one: the blocks dequantized for the call (for a bf16 model straight to bf16 by the native
+`gguf_dequantize_bf16`, ~17x faster than float32 then `.to`) and torch's GEMM (AMX or AVX512-BF16
+where the CPU has them). The panel-tiled `gguf_mm_bf16`, which never holds a whole bf16 weight,
+measured slower here once made batch-invariant (docs/KERNELS.md), so the transient copy stays. That row
+count is measured once per process, on the first weight big enough to tell, at load, and logged;
+it is never below the verify rows.
 
 Which path a row takes is decided by its own request's chunk, never by the batch: the runner
 names the forward's chunks (`forward_chunks`), and only the rows of a chunk at least that long
@@ -47,7 +50,8 @@ pack_layout = ""
 
 
 class GgufKernel:
-    """y = x W^T with W the file's blocks; float32 out."""
+    """y = x W^T with W the file's blocks; float32 out, except bf16 from the bf16 dense path
+    (the layer's own dtype: a float32 round trip would only add two copies of the output)."""
 
     name = "gguf"
 
@@ -63,7 +67,7 @@ class GgufKernel:
         ):
             _dense_from[self.dense_dtype] = _measure_dense_from(self, weight.in_features)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] float32
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         dense_from = _dense_from.get(self.dense_dtype, NEVER)
         if x.shape[0] < dense_from:  # no chunk can be long enough
             return self.native(x)
@@ -72,14 +76,21 @@ class GgufKernel:
             return self.dense(x)
         if native_rows.numel() == x.shape[0]:
             return self.native(x)
-        out = self.dense(x)  # the few short rows computed twice: cheaper than splitting the call
+        # the few short rows computed twice: cheaper than splitting the call; float32, so that a
+        # native row (a logits row of the head too) is what it is alone
+        out = self.dense(x).float()
         out[native_rows] = self.native(x[native_rows])
         return out
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        return gguf_ops.mm(x.float().contiguous(), self.blocks, self.qtype, passes=ACTIVATION_PASSES)
+        return gguf_ops.mm(
+            x.float().contiguous(), self.blocks, self.qtype, passes=ACTIVATION_PASSES
+        )
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_dtype == torch.bfloat16 and gguf_ops.has_prefill_ops():
+            w = gguf_ops.dequantize_bf16(self.blocks, self.qtype)  # [N, K], freed after the call
+            return F.linear(x.to(torch.bfloat16), w)
         w = gguf_ops.dequantize(self.blocks, self.qtype).to(self.dense_dtype)  # [N, K]
         return F.linear(x.to(self.dense_dtype), w).float()
 

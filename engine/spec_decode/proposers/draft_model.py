@@ -205,6 +205,8 @@ def _row_key(seq: Sequence, num_drafted: int) -> int | None:
     """The seeded noise key of the output position this draft fills; None for unseeded requests."""
     keys = seq.seeded_row_keys(1, ahead=num_drafted)
     return None if keys is None else keys[0]
+
+
 def _plain(item: ScheduledSeq) -> bool:
     """Drafts that need no host look per token: no grammar or logit bias, no penalties."""
     return item.seq.constraint is None and not item.seq.params.has_penalties

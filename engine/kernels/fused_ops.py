@@ -4,10 +4,12 @@ reference each one must match, and the shapes torch.compile traces them with.
 `add_rmsnorm` and `rmsnorm` are a decoder's RMSNorm (with the residual add before it), `silu_mul`
 its SwiGLU activation. Each takes `out_dtype` float32 to hand a float32 GEMM (the GGUF kernels)
 its input without a separate cast; the values are the model dtype's either way.
+`SPECSERVE_FUSED_OPS=0` turns them off (the eager references run instead).
 """
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 import torch
@@ -16,6 +18,8 @@ import torch.nn.functional as F
 from engine.kernels import build
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# read once; benchmarks flip it to compare fused and eager in one process
+ENABLED = os.environ.get("SPECSERVE_FUSED_OPS", "1") not in ("0", "false", "off")
 
 
 @cache
@@ -29,7 +33,7 @@ def loaded() -> bool:
 
 def usable(x: torch.Tensor) -> bool:
     """Whether the native op runs for activations like x (else the reference does)."""
-    return x.device.type == "cpu" and x.dtype in _DTYPES and loaded()
+    return ENABLED and x.device.type == "cpu" and x.dtype in _DTYPES and loaded()
 
 
 def rmsnorm(

@@ -43,7 +43,11 @@ namespace fused {
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int64_t kMinParallelValues = 32768;  // torch's grain: smaller calls stay on one thread
+// Values a thread takes at least: decode and verify batches (up to 16 rows of the 1.5B's 3 x 8,960
+// SiLU values) run on the calling thread. Two threads would halve SiLU*mul at 16 rows on an idle
+// host (~70 us a layer), but on a shared one a parallel region waits for a descheduled thread:
+// measured 8-60 ms for one such op at 4 rows (docs/ATTENTION.md, "The rest of the step").
+constexpr int64_t kMinParallelValues = 1 << 19;
 
 using bf16 = c10::BFloat16;
 
@@ -60,7 +64,8 @@ SPECSERVE_INLINE uint16_t bf16_bits(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
   const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  return f != f ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
 }
 
 template <typename T>
@@ -87,7 +92,8 @@ SPECSERVE_INLINE void store(O* dst, float v) {  // v already holds a value of O
 // e^x for the float range silu needs: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' degree-6
 // polynomial, 2^n put in the exponent bits. Relative error ~1e-7; no branches.
 SPECSERVE_INLINE float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
+  x = x < -87.0f ? -87.0f : x;  // selects, not std::min/max: those references block vectorizing
+  x = x > 88.0f ? 88.0f : x;
   const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const float n = (x * 1.44269504088896341f + magic) - magic;
   float r = x - n * 0.693359375f;
@@ -114,40 +120,48 @@ SPECSERVE_INLINE float lane_sum(float (&acc)[kLanes]) {
   return acc[0];
 }
 
+template <typename T>
+SPECSERVE_INLINE void add_row(const T* __restrict x, const T* __restrict r, T* __restrict sum,
+                             int64_t n) {
+  for (int64_t i = 0; i < n; ++i) store(sum + i, round_to<T>(widen(x[i]) + widen(r[i])));
+}
+
+template <typename T>
+SPECSERVE_INLINE float sum_squares(const T* __restrict h, int64_t n) {
+  float acc[kLanes] = {};
+  const int64_t full = n / kLanes * kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = widen(h[i + j]);
+      acc[j] += v * v;
+    }
+  }
+  for (int64_t i = full; i < n; ++i) {
+    const float v = widen(h[i]);
+    acc[i - full] += v * v;
+  }
+  return lane_sum(acc);
+}
+
+template <typename T, typename O>
+SPECSERVE_INLINE void scale_row(const T* __restrict h, const T* __restrict w, O* __restrict out,
+                               float inv, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) store(out + i, round_to<T>(widen(w[i]) * round_to<T>(widen(h[i]) * inv)));
+}
+
 // sum = round(x + residual) when residual is given (else x itself is read); out = norm(sum) * w
 template <typename T, typename O>
 SPECSERVE_INLINE void norm_row(const T* x, const T* residual, const T* w, T* sum, O* out,
                                int64_t n, float eps) {
-  float acc[kLanes] = {};
+  if (residual != nullptr) add_row(x, residual, sum, n);
   const T* h = residual == nullptr ? x : sum;
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      float v = widen(x[i + j]);
-      if (residual != nullptr) {
-        v = round_to<T>(v + widen(residual[i + j]));
-        store(sum + i + j, v);
-      }
-      acc[j] += v * v;
-    }
-  }
-  for (int j = 0; i + j < n; ++j) {
-    float v = widen(x[i + j]);
-    if (residual != nullptr) {
-      v = round_to<T>(v + widen(residual[i + j]));
-      store(sum + i + j, v);
-    }
-    acc[j] += v * v;
-  }
-  const float inv = 1.0f / std::sqrt(lane_sum(acc) / static_cast<float>(n) + eps);
-  for (i = 0; i < n; ++i) {
-    const float normed = round_to<T>(widen(h[i]) * inv);
-    store(out + i, round_to<T>(widen(w[i]) * normed));
-  }
+  const float inv = 1.0f / std::sqrt(sum_squares(h, n) / static_cast<float>(n) + eps);
+  scale_row(h, w, out, inv, n);
 }
 
 template <typename In, typename T, typename O>
-SPECSERVE_INLINE void silu_mul_row(const In* gate, const In* up, O* out, int64_t n) {
+SPECSERVE_INLINE void silu_mul_row(const In* __restrict gate, const In* __restrict up,
+                                  O* __restrict out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = round_to<T>(widen(gate[i]));
     const float u = round_to<T>(widen(up[i]));
@@ -230,7 +244,7 @@ Isa pick(const std::string& name) {
   return avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kScalar;
 }
 
-// Rows in parallel, in chunks of at least kMinParallelValues values: a decode's rows run inline.
+// Rows in parallel, in chunks of at least kMinParallelValues values.
 template <typename Fn>
 void over_rows(int64_t rows, int64_t values_per_row, const Fn& fn) {
   const int64_t grain = std::max<int64_t>(1, kMinParallelValues / std::max<int64_t>(1, values_per_row));

@@ -97,7 +97,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + residual) in out_dtype, x + residual
         """The residual add and the norm after it, one native pass where the fused ops run (the
         same roundings as the eager ops); compiled graphs keep the eager ops for inductor to fuse."""
-        if fused_ops.usable(x) and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and fused_ops.usable(x):
             if residual is None:
                 return fused_ops.rmsnorm(x, self.weight, self.eps, out_dtype), x
             return fused_ops.add_rmsnorm(x, residual, self.weight, self.eps, out_dtype)
@@ -110,8 +110,8 @@ def silu_mul(
     dtype: torch.dtype,  # the model's: where the eager ops round
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # [num_tokens, intermediate]: silu(gate) * up
-    if fused_ops.usable(gate_up) and dtype in (torch.float32, torch.bfloat16):
-        if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and fused_ops.usable(gate_up):
+        if dtype in (torch.float32, torch.bfloat16):
             return fused_ops.silu_mul(gate_up, dtype, out_dtype)
     return fused_ops.silu_mul_reference(gate_up, dtype, out_dtype)
 

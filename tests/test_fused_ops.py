@@ -85,15 +85,23 @@ def test_a_rows_result_does_not_depend_on_its_batch(rows: int) -> None:
     out, _ = fused_ops.add_rmsnorm(x, residual, weight, 1e-6, torch.float32)
     act = fused_ops.silu_mul(gate_up, torch.bfloat16, torch.float32)
     for i in (0, rows - 1):
-        alone, _ = fused_ops.add_rmsnorm(x[i : i + 1], residual[i : i + 1], weight, 1e-6, torch.float32)
+        alone, _ = fused_ops.add_rmsnorm(
+            x[i : i + 1], residual[i : i + 1], weight, 1e-6, torch.float32
+        )
         assert torch.equal(out[i : i + 1], alone)
-        assert torch.equal(act[i : i + 1], fused_ops.silu_mul(gate_up[i : i + 1], torch.bfloat16, torch.float32))
+        assert torch.equal(
+            act[i : i + 1], fused_ops.silu_mul(gate_up[i : i + 1], torch.bfloat16, torch.float32)
+        )
 
 
 def test_the_ops_trace_under_torch_compile() -> None:
     def layer(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
         h, total = fused_ops.add_rmsnorm(x, r, w, 1e-6, torch.float32)
-        return h.sum() + total.float().sum() + fused_ops.silu_mul(gu, torch.bfloat16, torch.float32).sum()
+        return (
+            h.sum()
+            + total.float().sum()
+            + fused_ops.silu_mul(gu, torch.bfloat16, torch.float32).sum()
+        )
 
     x, r = _rows(3, 64, torch.bfloat16, 8), _rows(3, 64, torch.bfloat16, 9)
     w, gu = _rows(1, 64, torch.bfloat16, 10)[0], _rows(3, 128, torch.float32, 11)
@@ -103,7 +111,9 @@ def test_the_ops_trace_under_torch_compile() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("fused") / "m", hidden_size=256, intermediate_size=512)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("fused") / "m", hidden_size=256, intermediate_size=512
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

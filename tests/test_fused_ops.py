@@ -64,6 +64,21 @@ def test_add_rmsnorm_matches_eager_and_every_isa_agrees(dtype: torch.dtype, n: i
     assert plain.dtype == dtype and torch.equal(plain.float(), outs[0])
 
 
+def test_add_rmsnorm_rounds_a_float32_gemm_output_first() -> None:
+    x = _rows(6, 1536, torch.float32, 12, scale=3.0)  # o_proj's or down_proj's unrounded output
+    residual, weight = _rows(6, 1536, torch.bfloat16, 13), _rows(1, 1536, torch.bfloat16, 14)[0]
+    total = x.to(torch.bfloat16) + residual
+    outs = []
+    for isa in ISAS:
+        out, got = fused_ops.add_rmsnorm(x, residual, weight, 1e-6, torch.float32, isa)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, total)
+        outs.append(out)
+    for out in outs:
+        assert torch.equal(out, outs[0])
+    ref = fused_ops.rmsnorm_reference(total, weight, 1e-6, torch.float32)
+    _assert_matches_eager(outs[0], ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_eager_and_every_isa_agrees(dtype: torch.dtype) -> None:
     gate_up = _rows(5, 2 * 1000, torch.float32, 3, scale=4.0)  # a GGUF GEMM's float32 output

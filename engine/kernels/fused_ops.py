@@ -50,13 +50,14 @@ def rmsnorm(
 
 
 def add_rmsnorm(
-    x: torch.Tensor,  # [M, H]
+    x: torch.Tensor,  # [M, H]: residual's dtype, or float32 not yet rounded to it
     residual: torch.Tensor,  # [M, H]
     weight: torch.Tensor,  # [H]
     eps: float,
     out_dtype: torch.dtype,
     isa: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + residual) [M, H] out_dtype, x + residual
+    """x + residual in residual's dtype (x rounded to it first), and its norm."""
     out, total = torch.ops.specserve_kernels.add_rmsnorm(
         x.contiguous(), residual.contiguous(), weight, eps, out_dtype, isa
     )
@@ -110,7 +111,7 @@ def _register_fakes() -> None:
         out_dtype: torch.dtype,
         isa: str = "",
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return x.new_empty(x.shape, dtype=out_dtype), torch.empty_like(x)
+        return x.new_empty(x.shape, dtype=out_dtype), torch.empty_like(residual)
 
     @torch.library.register_fake("specserve_kernels::silu_mul")  # type: ignore[untyped-decorator]
     def _(

@@ -69,7 +69,7 @@ def _run_layers(
     for layer, kv_cache in zip(layers, kv_caches, strict=True):
         x, residual = layer(x, residual, rope, kv_cache, meta)
     assert residual is not None
-    return x + residual
+    return x.to(residual.dtype) + residual  # x: float32 from a GGUF GEMM, or the model dtype
 
 
 class DecodeGraph:

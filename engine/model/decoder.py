@@ -91,9 +91,9 @@ class RMSNorm(nn.Module):
 
     def add_forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden]: a sublayer's output
+        x: torch.Tensor,  # [num_tokens, hidden]: a sublayer's output (float32 before rounding)
         residual: torch.Tensor | None,  # [num_tokens, hidden]: the stream before it (None: none)
-        out_dtype: torch.dtype,  # x's, or float32 for a GEMM that reads float32
+        out_dtype: torch.dtype,  # the model's, or float32 for a GEMM that reads float32
     ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + residual) in out_dtype, x + residual
         """The residual add and the norm after it, one native pass where the fused ops run (the
         same roundings as the eager ops); compiled graphs keep the eager ops for inductor to fuse."""
@@ -101,7 +101,7 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return fused_ops.rmsnorm(x, self.weight, self.eps, out_dtype), x
             return fused_ops.add_rmsnorm(x, residual, self.weight, self.eps, out_dtype)
-        total = x if residual is None else x + residual
+        total = x if residual is None else x.to(residual.dtype) + residual
         return self(total).to(out_dtype), total
 
 
@@ -127,7 +127,9 @@ def gemm_unrounded(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [M, i
     """A linear layer's output before it is rounded to the model dtype, where it has one
     (QuantLinear.unrounded: float32 from the GGUF kernels); else its plain output."""
     unrounded = getattr(linear, "unrounded", None)
-    return linear(x) if unrounded is None else unrounded(x)
+    if unrounded is None or getattr(linear, "bias", None) is not None:
+        return linear(x)
+    return unrounded(x)
 
 
 class Rotary:
@@ -193,7 +195,7 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]: the model dtype, or float32 before rounding to it
         s = self.shape
         qk, v = self.qkv_proj(x).split([s.q_size + s.kv_size, s.kv_size], dim=-1)
         qk = qk.view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
@@ -203,7 +205,7 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         q, k = apply_rope(qk, *rope).split([s.num_heads, s.num_kv_heads], dim=1)  # one rotation
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out)
+        return gemm_unrounded(self.o_proj, out)  # the next norm rounds it
 
 
 class MLP(nn.Module):
@@ -219,10 +221,10 @@ class MLP(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden]: dtype's values (in float32 for a GGUF GEMM)
         dtype: torch.dtype,  # the model's
-    ) -> torch.Tensor:  # [num_tokens, hidden] dtype
+    ) -> torch.Tensor:  # [num_tokens, hidden]: dtype, or float32 before rounding to it
         gate_up = gemm_unrounded(self.gate_up_proj, x)  # [num_tokens, 2 * intermediate]
         act = silu_mul(gate_up, dtype, gemm_input_dtype(self.down_proj, dtype))
-        return self.down_proj(act)
+        return gemm_unrounded(self.down_proj, act)  # the next norm rounds it
 
 
 class DecoderLayer(nn.Module):
@@ -241,16 +243,18 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # the MLP's output, the stream before it
-        """The residual add is left to the next norm (`RMSNorm.add_forward`), which fuses it."""
+        """The residual add is left to the next norm (`RMSNorm.add_forward`), which fuses it; so
+        is rounding a GEMM's float32 output to the model dtype."""
         attn, mlp = self.self_attn, self.mlp
+        dtype = x.dtype if residual is None else residual.dtype  # the model's
         h, residual = self.input_layernorm.add_forward(
-            x, residual, gemm_input_dtype(attn.qkv_proj, x.dtype)
+            x, residual, gemm_input_dtype(attn.qkv_proj, dtype)
         )
         x = attn(h, rope, kv_cache, meta)
         h, residual = self.post_attention_layernorm.add_forward(
-            x, residual, gemm_input_dtype(mlp.gate_up_proj, x.dtype)
+            x, residual, gemm_input_dtype(mlp.gate_up_proj, dtype)
         )
-        return mlp(h, x.dtype), residual
+        return mlp(h, dtype), residual
 
 
 # transformers parameter name suffix -> (our parameter, shard index within a fused parameter)
@@ -326,7 +330,8 @@ class DecoderModel(nn.Module):
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rope, kv_cache, meta)
-        return self.norm.add_forward(x, residual, x.dtype)[0]
+        dtype = x.dtype if residual is None else residual.dtype
+        return self.norm.add_forward(x, residual, dtype)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
         if self.lm_head is not None:

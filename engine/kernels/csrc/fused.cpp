@@ -2,6 +2,7 @@
 //
 //   rmsnorm(x [M, H], weight [H], eps, out_dtype) -> [M, H]
 //   add_rmsnorm(x [M, H], residual [M, H], weight [H], eps, out_dtype) -> (out [M, H], sum [M, H])
+//     (x may be float32 not yet rounded to the model dtype: a GEMM's output, rounded here first)
 //   silu_mul(gate_up [M, 2I], dtype, out_dtype) -> [M, I]
 //
 // Numerics are those of engine/model/decoder.py's eager ops in the model dtype T (float32 or
@@ -120,10 +121,12 @@ SPECSERVE_INLINE float lane_sum(float (&acc)[kLanes]) {
   return acc[0];
 }
 
-template <typename T>
-SPECSERVE_INLINE void add_row(const T* __restrict x, const T* __restrict r, T* __restrict sum,
+// x is T, or float32 not yet rounded to T (a GEMM's output): rounded first, as the eager cast does
+template <typename In, typename T>
+SPECSERVE_INLINE void add_row(const In* __restrict x, const T* __restrict r, T* __restrict sum,
                              int64_t n) {
-  for (int64_t i = 0; i < n; ++i) store(sum + i, round_to<T>(widen(x[i]) + widen(r[i])));
+  for (int64_t i = 0; i < n; ++i)
+    store(sum + i, round_to<T>(round_to<T>(widen(x[i])) + widen(r[i])));
 }
 
 template <typename T>
@@ -150,11 +153,12 @@ SPECSERVE_INLINE void scale_row(const T* __restrict h, const T* __restrict w, O*
 }
 
 // sum = round(x + residual) when residual is given (else x itself is read); out = norm(sum) * w
-template <typename T, typename O>
-SPECSERVE_INLINE void norm_row(const T* x, const T* residual, const T* w, T* sum, O* out,
+template <typename In, typename T, typename O>
+SPECSERVE_INLINE void norm_row(const In* x, const T* residual, const T* w, T* sum, O* out,
                                int64_t n, float eps) {
   if (residual != nullptr) add_row(x, residual, sum, n);
-  const T* h = residual == nullptr ? x : sum;
+  const T* h = sum;  // without a residual x is T (the op checks)
+  if constexpr (std::is_same_v<In, T>) h = residual == nullptr ? x : sum;
   const float inv = 1.0f / std::sqrt(sum_squares(h, n) / static_cast<float>(n) + eps);
   scale_row(h, w, out, inv, n);
 }
@@ -188,15 +192,15 @@ struct SiluArgs {
   int64_t rows, n;
 };
 
-template <typename T, typename O>
+template <typename In, typename T, typename O>
 SPECSERVE_INLINE void norm_rows(const NormArgs& a, int64_t begin, int64_t end) {
-  const T* x = static_cast<const T*>(a.x);
+  const In* x = static_cast<const In*>(a.x);
   const T* r = static_cast<const T*>(a.residual);
   T* sum = static_cast<T*>(a.sum);
   O* out = static_cast<O*>(a.out);
   for (int64_t row = begin; row < end; ++row) {
     const int64_t at = row * a.n;
-    norm_row<T, O>(x + at, r == nullptr ? nullptr : r + at, static_cast<const T*>(a.w),
+    norm_row<In, T, O>(x + at, r == nullptr ? nullptr : r + at, static_cast<const T*>(a.w),
                    sum == nullptr ? nullptr : sum + at, out + at, a.n, a.eps);
   }
 }
@@ -210,9 +214,9 @@ SPECSERVE_INLINE void silu_rows(const SiluArgs& a, int64_t begin, int64_t end) {
 }
 
 #define SPECSERVE_VARIANT(NAME, TARGET)                                                 \
-  template <typename T, typename O>                                                     \
+  template <typename In, typename T, typename O>                                        \
   TARGET void norm_##NAME(const NormArgs& a, int64_t begin, int64_t end) {              \
-    norm_rows<T, O>(a, begin, end);                                                     \
+    norm_rows<In, T, O>(a, begin, end);                                                 \
   }                                                                                     \
   template <typename In, typename T, typename O>                                        \
   TARGET void silu_##NAME(const SiluArgs& a, int64_t begin, int64_t end) {              \
@@ -251,12 +255,12 @@ void over_rows(int64_t rows, int64_t values_per_row, const Fn& fn) {
   at::parallel_for(0, rows, grain, fn);
 }
 
-template <typename T, typename O>
+template <typename In, typename T, typename O>
 void run_norm(const NormArgs& a, Isa isa) {
   over_rows(a.rows, a.n, [&](int64_t begin, int64_t end) {
-    if (isa == Isa::kAvx512) return norm_avx512<T, O>(a, begin, end);
-    if (isa == Isa::kAvx2) return norm_avx2<T, O>(a, begin, end);
-    norm_scalar<T, O>(a, begin, end);
+    if (isa == Isa::kAvx512) return norm_avx512<In, T, O>(a, begin, end);
+    if (isa == Isa::kAvx2) return norm_avx2<In, T, O>(a, begin, end);
+    norm_scalar<In, T, O>(a, begin, end);
   });
 }
 
@@ -276,35 +280,39 @@ void check_dtype(at::ScalarType dtype, const char* what) {
               " must be float32 or bfloat16");
 }
 
-template <typename T>
+template <typename In, typename T>
 void dispatch_norm(const NormArgs& a, at::ScalarType out_dtype, Isa isa) {
-  if (out_dtype == at::kFloat) return run_norm<T, float>(a, isa);
+  if (out_dtype == at::kFloat) return run_norm<In, T, float>(a, isa);
   TORCH_CHECK(out_dtype == c10::CppTypeToScalarType<T>::value,
-              "fused ops: out_dtype must be float32 or x's dtype");
-  run_norm<T, T>(a, isa);
+              "fused ops: out_dtype must be float32 or the weight's dtype");
+  run_norm<In, T, T>(a, isa);
 }
 
-void norm(const NormArgs& a, at::ScalarType dtype, at::ScalarType out_dtype, Isa isa) {
-  if (dtype == at::kFloat) return dispatch_norm<float>(a, out_dtype, isa);
-  dispatch_norm<bf16>(a, out_dtype, isa);
+// dtype: the weight's and residual's (T); x_dtype: T, or float32 with a residual
+void norm(const NormArgs& a, at::ScalarType x_dtype, at::ScalarType dtype,
+          at::ScalarType out_dtype, Isa isa) {
+  if (dtype == at::kFloat) return dispatch_norm<float, float>(a, out_dtype, isa);
+  if (x_dtype == at::kFloat) return dispatch_norm<float, bf16>(a, out_dtype, isa);
+  dispatch_norm<bf16, bf16>(a, out_dtype, isa);
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "fused ops: x must be a contiguous 2-D CPU tensor [M, H]");
   check_dtype(x.scalar_type(), "x");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == x.scalar_type(),
-              "fused ops: weight must be [H] in x's dtype");
+  check_dtype(weight.scalar_type(), "weight");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "fused ops: weight must be [H]");
 }
 
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps,
                    at::ScalarType out_dtype, const std::string& isa) {
   check_rows(x, weight);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rmsnorm: weight must be in x's dtype");
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
   const NormArgs a{x.data_ptr(), nullptr, weight.data_ptr(), nullptr, out.data_ptr(),
                    x.size(0), x.size(1), static_cast<float>(eps)};
-  norm(a, x.scalar_type(), out_dtype, pick(isa));
+  norm(a, x.scalar_type(), x.scalar_type(), out_dtype, pick(isa));
   return out;
 }
 
@@ -312,14 +320,16 @@ std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Te
                                                const at::Tensor& weight, double eps,
                                                at::ScalarType out_dtype, const std::string& isa) {
   check_rows(x, weight);
+  const at::ScalarType dtype = residual.scalar_type();
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
-                  residual.scalar_type() == x.scalar_type(),
-              "fused ops: residual must be contiguous, shaped and typed as x");
-  at::Tensor sum = at::empty_like(x);
+                  weight.scalar_type() == dtype &&
+                  (x.scalar_type() == dtype || x.scalar_type() == at::kFloat),
+              "add_rmsnorm: residual and weight in one dtype, x in it or in float32");
+  at::Tensor sum = at::empty_like(residual);
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
   const NormArgs a{x.data_ptr(), residual.data_ptr(), weight.data_ptr(), sum.data_ptr(),
                    out.data_ptr(), x.size(0), x.size(1), static_cast<float>(eps)};
-  norm(a, x.scalar_type(), out_dtype, pick(isa));
+  norm(a, x.scalar_type(), dtype, out_dtype, pick(isa));
   return {out, sum};
 }
 

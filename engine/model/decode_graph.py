@@ -65,9 +65,11 @@ def _run_layers(
     kv_caches: list[KVCache],
     meta: AttentionMetadata,
 ) -> torch.Tensor:  # [num_tokens, hidden]
+    residual: torch.Tensor | None = None  # each chunk takes and returns the whole stream
     for layer, kv_cache in zip(layers, kv_caches, strict=True):
-        x = layer(x, rope, kv_cache, meta)
-    return x
+        x, residual = layer(x, residual, rope, kv_cache, meta)
+    assert residual is not None
+    return x.to(residual.dtype) + residual  # x: float32 from a GGUF GEMM, or the model dtype
 
 
 class DecodeGraph:

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.kernels import fused_ops
 from engine.model.attention import AttentionMetadata, paged_attention
 from engine.model.quant.formats import QuantizedWeight
 
@@ -88,6 +89,48 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: a sublayer's output (float32 before rounding)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: the stream before it (None: none)
+        out_dtype: torch.dtype,  # the model's, or float32 for a GEMM that reads float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + residual) in out_dtype, x + residual
+        """The residual add and the norm after it, one native pass where the fused ops run (the
+        same roundings as the eager ops); compiled graphs keep the eager ops for inductor to fuse."""
+        if not torch.compiler.is_compiling() and fused_ops.usable(x):
+            if residual is None:
+                return fused_ops.rmsnorm(x, self.weight, self.eps, out_dtype), x
+            return fused_ops.add_rmsnorm(x, residual, self.weight, self.eps, out_dtype)
+        total = x if residual is None else x.to(residual.dtype) + residual
+        return self(total).to(out_dtype), total
+
+
+def silu_mul(
+    gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate]: dtype, or float32 before rounding
+    dtype: torch.dtype,  # the model's: where the eager ops round
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [num_tokens, intermediate]: silu(gate) * up
+    if not torch.compiler.is_compiling() and fused_ops.usable(gate_up):
+        if dtype in (torch.float32, torch.bfloat16):
+            return fused_ops.silu_mul(gate_up, dtype, out_dtype)
+    return fused_ops.silu_mul_reference(gate_up, dtype, out_dtype)
+
+
+def gemm_input_dtype(linear: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a linear layer reads without a cast: float32 for the GGUF kernels
+    (QuantLinear.input_dtype), else the model's."""
+    found: torch.dtype | None = getattr(linear, "input_dtype", None)
+    return found or dtype
+
+
+def gemm_unrounded(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+    """A linear layer's output before it is rounded to the model dtype, where it has one
+    (QuantLinear.unrounded: float32 from the GGUF kernels); else its plain output."""
+    unrounded = getattr(linear, "unrounded", None)
+    if unrounded is None or getattr(linear, "bias", None) is not None:
+        return linear(x)
+    return unrounded(x)
+
 
 class Rotary:
     """Precomputed cos/sin tables (float32) for positions [0, max_positions)."""
@@ -152,7 +195,7 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]: the model dtype, or float32 before rounding to it
         s = self.shape
         qk, v = self.qkv_proj(x).split([s.q_size + s.kv_size, s.kv_size], dim=-1)
         qk = qk.view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
@@ -162,7 +205,7 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         q, k = apply_rope(qk, *rope).split([s.num_heads, s.num_kv_heads], dim=1)  # one rotation
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out)
+        return gemm_unrounded(self.o_proj, out)  # the next norm rounds it
 
 
 class MLP(nn.Module):
@@ -174,9 +217,14 @@ class MLP(nn.Module):
             shape.intermediate_size, shape.hidden_size, bias=False
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: dtype's values (in float32 for a GGUF GEMM)
+        dtype: torch.dtype,  # the model's
+    ) -> torch.Tensor:  # [num_tokens, hidden]: dtype, or float32 before rounding to it
+        gate_up = gemm_unrounded(self.gate_up_proj, x)  # [num_tokens, 2 * intermediate]
+        act = silu_mul(gate_up, dtype, gemm_input_dtype(self.down_proj, dtype))
+        return gemm_unrounded(self.down_proj, act)  # the next norm rounds it
 
 
 class DecoderLayer(nn.Module):
@@ -189,13 +237,24 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden]
+        x: torch.Tensor,  # [num_tokens, hidden]: the last sublayer's output (or the embeddings)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: the stream before x; None: none
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the MLP's output, the stream before it
+        """The residual add is left to the next norm (`RMSNorm.add_forward`), which fuses it; so
+        is rounding a GEMM's float32 output to the model dtype."""
+        attn, mlp = self.self_attn, self.mlp
+        dtype = x.dtype if residual is None else residual.dtype  # the model's
+        h, residual = self.input_layernorm.add_forward(
+            x, residual, gemm_input_dtype(attn.qkv_proj, dtype)
+        )
+        x = attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(
+            x, residual, gemm_input_dtype(mlp.gate_up_proj, dtype)
+        )
+        return mlp(h, dtype), residual
 
 
 # transformers parameter name suffix -> (our parameter, shard index within a fused parameter)
@@ -268,9 +327,11 @@ class DecoderModel(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        dtype = x.dtype if residual is None else residual.dtype
+        return self.norm.add_forward(x, residual, dtype)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
         if self.lm_head is not None:

@@ -76,6 +76,8 @@ class QuantLinear(nn.Module):
         self.kernels: list[Kernel] = []
         self.formats: list[str] = []
         self._shards: dict[int, Shard] = {}
+        # what the kernels read without a cast: float32 for GGUF blocks (set at load)
+        self.input_dtype = dtype
 
     def load_shard(self, shard: int, value: Shard) -> None:
         if tuple(value.shape) != (self.shard_sizes[shard], self.in_features):
@@ -92,14 +94,25 @@ class QuantLinear(nn.Module):
             kernel = make_kernel(weight, self.dtype, self.device, passes)
             self.kernels.append(kernel)
             self.formats.append(format_name(weight, kernel, self.dtype))
+        if all(kernel.name == "gguf" for kernel in self.kernels):
+            self.input_dtype = torch.float32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out] in the model dtype
+        y = self._products(x).to(self.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def unrounded(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        """The kernels' output before rounding to the model dtype: float32 from the GGUF
+        kernels, which a fused op after them rounds itself (decoder.silu_mul)."""
+        if self.bias is not None:
+            raise ValueError("unrounded() is for layers without a bias")
+        return self._products(x)
+
+    def _products(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out], kernels' dtype
         if not self.kernels:
             raise RuntimeError("quantized layer used before its weights were loaded")
         ys = [kernel(x) for kernel in self.kernels]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-        y = y.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
 
 class QuantEmbedding(nn.Module):

@@ -231,8 +231,9 @@ class LLMEngine:
             seq, start = item.seq, item.seq.num_computed_tokens
             known = seq.token_ids[start : start + item.num_new_tokens]
             num_logits = _num_logits(item, proposal)
+            drafts = proposal.token_ids
             inputs.append(
-                ForwardInput(known + proposal.token_ids, start, seq.block_table, num_logits)
+                ForwardInput(known + drafts, start, seq.block_table, num_logits, len(drafts))
             )
         return inputs
 

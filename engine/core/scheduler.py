@@ -13,7 +13,6 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
-from engine.model.attention import SHORT_QUERY_MAX
 from engine.sample import structured
 from engine.sequence import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
 from engine.spec_decode.planner import SpecPlanner
@@ -135,11 +134,6 @@ class Scheduler:
             self.max_model_len - seq.num_tokens - 1,
             budget - n,
         )
-        if n > 1:
-            # Drafts behind a chunk (a prompt's last) only while the query stays short: each row
-            # then runs on the kernels it runs on in plain decoding (short queries' attention,
-            # the decode GEMM), so speculation changes no output.
-            room = min(room, SHORT_QUERY_MAX - n)
         names = self.config.speculative.proposers
         k = self._request_k(seq, step_k)
         item.spec_k = {name: max(0, min(k, room)) for name in names} if k else {}

@@ -9,9 +9,9 @@ path.
 
 A row's result does not depend on the query it is part of (its length, its tile, the batch),
 so a verify row equals the decode of its position bit for bit. Prompt chunks stay on SDPA,
-several times faster there (AMX / AVX512-BF16 GEMM tiles); the scheduler never puts drafts behind
-a chunk that would make the query long (engine.core.scheduler), so no row changes kernel
-between plain and speculative decoding.
+several times faster there (AMX / AVX512-BF16 GEMM tiles); drafts behind a prompt chunk are a
+query of their own (engine.model.runner `_spans`), so no row changes kernel between plain and
+speculative decoding.
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ class ForwardInput:
     start_pos: int  # position of token_ids[0] == tokens already in the KV cache
     block_table: list[int]  # block ids covering positions [0, start_pos + len(token_ids))
     num_logits: int  # logits wanted for the last num_logits positions (0..len)
+    # Trailing drafted tokens (a verify's). Behind a chunk of several known tokens (a prompt's
+    # last) they attend, and take the GEMM path, as a query of their own: each row then runs on
+    # the kernels it runs on in plain decoding, so speculation changes no output.
+    num_drafts: int = 0
 
 
 class ModelRunner:
@@ -170,7 +174,7 @@ class ModelRunner:
         input_ids, positions, logit_rows = _flatten(inputs, self.block_size)
         if device_ids is not None:
             input_ids = device_ids  # [num_tokens], already on the device
-        spans = [RequestSpan(i.start_pos, len(i.token_ids), i.block_table) for i in inputs]
+        spans = [span for i in inputs for span in _spans(i)]
         # the compiled graph runs only batches of one request: only those need its one structure
         uniform = self.decode_graph is not None and len(spans) == 1
         meta = AttentionMetadata.build(spans, self.block_size, self.device, uniform)
@@ -184,6 +188,18 @@ class ModelRunner:
             if logit_rows.numel() != hidden.shape[0]:
                 hidden = hidden[logit_rows.to(self.device, non_blocking=True)]
             return self.model.compute_logits(hidden)
+
+
+def _spans(inp: ForwardInput) -> list[RequestSpan]:
+    """The attention's requests for one input: a chunk with drafts behind it is two."""
+    n, drafts = len(inp.token_ids), inp.num_drafts
+    if drafts == 0 or n - drafts <= 1:
+        return [RequestSpan(inp.start_pos, n, inp.block_table)]
+    known = n - drafts
+    return [
+        RequestSpan(inp.start_pos, known, inp.block_table),
+        RequestSpan(inp.start_pos + known, drafts, inp.block_table),
+    ]
 
 
 def _flatten(

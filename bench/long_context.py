@@ -10,7 +10,8 @@ runs in this process, stepped on this thread; llama.cpp (llama-cpp-python, the `
 runs after it in the same process, on the same file and threads, its prompt evaluated in batches
 of 512. Time to first token is the prompt's wall time; decode tok/s is (tokens - 1) / (last token
 - first token). The batch row runs --batch requests of the first context >= 1,000 at once and
-reports their aggregate decode tok/s against one request's. Prints the CPU's flags.
+reports their aggregate decode tok/s while all of them decode, against one request's. Prints the
+CPU's flags.
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ def source_tokens(tokenizer: object, n: int) -> list[int]:
 
 def decode_rate(stamps: list[float]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def all_decoding_rate(stamps: list[list[float]]) -> float:
+    """Aggregate tokens/s while every request decodes: from the last first token to the first
+    last token (before, some requests still prefill; after, some are done)."""
+    start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    if end <= start:
+        raise SystemExit("the requests never all decoded at once: raise --max-tokens")
+    tokens = sum(1 for s in stamps for t in s if start < t <= end)
+    return tokens / (end - start)
 
 
 def specserve_runs(
@@ -90,9 +101,7 @@ def specserve_table(
         # distinct prompts (no prefix-cache sharing): each request's first token differs
         batch = [[(t + i) % 1000 + 10 for t in base[:1]] + base[1:] for i in range(args.batch)]
         runs = specserve_runs(engine, batch, args.max_tokens)
-        first = min(s[0] for _, s in runs)
-        last = max(s[-1] for _, s in runs)
-        aggregate = sum(len(s) - 1 for _, s in runs) / (last - first)
+        aggregate = all_decoding_rate([s for _, s in runs])
         batch_ratio = aggregate / table[long].decode_tok_s
         print(f"  aggregate {aggregate:.1f} tok/s", file=sys.stderr)
     return table, batch_ratio, prompts

@@ -30,7 +30,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.y
 BUNDLED_PAIR: dict[str, Any] = {
     "model": "bundled:qwen2.5-coder-1.5b-instruct",
     "draft_model": "bundled:qwen2.5-coder-0.5b-instruct",
-    "quantization": "w8a8",
+    "quantization": "gguf",
     "draft_quantization": "w8a8-fast",
     "draft_vocab_size": 65536,
     "draft_compile": True,

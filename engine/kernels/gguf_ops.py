@@ -92,8 +92,11 @@ def panel_rows(in_features: int) -> int:
     return rows
 
 
+@cache
 def has_prefill_ops() -> bool:
-    """Whether the loaded library offers the bf16 prefill ops (csrc/prefill.cpp)."""
+    """Whether the loaded library offers the bf16 prefill ops (csrc/prefill.cpp). Probed once:
+    listing the registered ops walks every torch schema (~19 ms), and the dense path asks on
+    every call."""
     return available() and "gguf_mm_bf16" in build.ops()
 
 

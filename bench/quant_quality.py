@@ -3,6 +3,11 @@ float32 dequantized GGUF (gguf's own reference dequantization), over HumanEval a
 prompts. Prints progress; the machine's other work only slows it down.
 
     python -m bench.quant_quality --model bundled:qwen2.5-coder-1.5b-instruct --positions 2000
+    python -m bench.quant_quality --quantization gguf --decode-kernel   # every row as decode runs it
+
+With `quantization: gguf` a prompt chunk of many rows may run the dense bf16 path
+(engine.model.quant.native), so the plain run scores a mix of prompt and decode arithmetic;
+`--decode-kernel` sends every row through the native kernel that decode and verify rows take.
 
 Aims (issue 9): top-1 agreement >= 98%, perplexity within 1% of the float32 reference.
 """
@@ -21,6 +26,7 @@ import torch
 from bench.serving.datasets import Prompt, load_category
 from engine.config import QUANTIZATIONS
 from engine.model.loader import LoadedModel, cache_root, load_model
+from engine.model.quant import native
 from engine.model.runner import ForwardInput, ModelRunner
 
 
@@ -116,9 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--positions", type=int, default=2000, help="next-token positions to score")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--decode-kernel", action="store_true",
+                    help="gguf: every row through the native kernel (no dense prompt path)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.decode_kernel:
+        native.PREFILL_CANDIDATES = ()  # the dense path is then never measured faster
     quantized = load_model(args.model, args.quantization)
     if quantized.gguf_file is None:
         raise SystemExit(

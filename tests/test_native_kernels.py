@@ -69,7 +69,7 @@ def gguf_reference(blocks: torch.Tensor, qtype: T) -> torch.Tensor:  # [N, K] fl
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("form", FORMS)
 def test_integer_products_are_exact(form: str, variant: str) -> None:
-    """Activations that round to themselves (integers, 127 in every block) and power-of-two
+    """Activations that round to themselves (integers, 127 in every group of 16) and power-of-two
     scales make every product and sum exact in float32: each variant must then equal the float64
     product of gguf's dequantization exactly."""
     k, n = 256, 24
@@ -77,7 +77,7 @@ def test_integer_products_are_exact(form: str, variant: str) -> None:
     blocks = random_blocks(qtype, n, k, seed=1, scale=2.0**-10)
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(-3, 4, (5, k), generator=gen).float()
-    x[:, ::32] = 127.0  # every block's max: the activation scale is exactly 1
+    x[:, ::16] = 127.0  # every group's max: the activation scale is exactly 1
     got = gguf_ops.mm(x, *operands(form, blocks, variant), variant)
     want = x.double() @ gguf_reference(blocks, qtype).T
     assert torch.equal(got.double(), want)
@@ -86,12 +86,12 @@ def test_integer_products_are_exact(form: str, variant: str) -> None:
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("form", FORMS)
 def test_variant_within_rounding_bound_of_gguf_dequantize(form: str, variant: str) -> None:
-    """Rounding an activation block to int8 moves each value by at most amax / 254 (half a step
-    of amax / 127), so |error| <= sum over blocks of amax_b / 254 * sum_b |w|; float32 sums add
-    at most 1e-5 of sum |x||w|."""
+    """Rounding a group of 16 activations to int8 moves each value by at most amax / 254 (half a
+    step of amax / 127), so |error| <= sum over groups of amax_g / 254 * sum_g |w|; float32 sums
+    add at most 1e-5 of sum |x||w|."""
     k, n, m = 512, 40, 6
     qtype = file_type(form)
-    values = gguf.GGML_QUANT_SIZES[qtype][0] if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 32
+    values = 16  # activations are rounded per 16 values, whatever the weight format
     blocks = random_blocks(qtype, n, k, seed=2)
     w = gguf_reference(blocks, qtype)  # [N, K]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).double()
@@ -152,7 +152,7 @@ def test_rows16_equals_the_per_row_layout_exactly_in_integers(
     blocks = random_blocks(qtype, n, k, seed=9, scale=2.0**-10)
     gen = torch.Generator().manual_seed(9)
     x = torch.randint(-5, 6, (9, k), generator=gen).float()
-    x[:, ::256] = 127.0
+    x[:, ::16] = 127.0
     got = gguf_ops.mm(x, *operands(form, blocks, variant), variant)
     want = x.double() @ gguf_reference(blocks, qtype).T
     assert torch.equal(got.double(), want)
@@ -174,11 +174,11 @@ def test_a_row_is_the_same_alone_or_in_any_batch(form: str, variant: str) -> Non
 @pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16"])
 def test_two_activation_passes(form: str, variant: str) -> None:
     """The second pass rounds what the first left: within the bound of a rounding of the
-    residual (its amax / 254 per block, ~1/127 of the first's), a row the same alone or in any
+    residual (its amax / 254 per group, ~1/127 of the first's), a row the same alone or in any
     batch, and the variant's result close to the scalar reference's."""
     k, n, m = 512, 37, 12
     qtype = file_type(form)
-    values = 256 if qtype in (T.Q4_K, T.Q6_K) else 32
+    values = 16
     raw = random_blocks(qtype, n, k, seed=7)
     blocks, packed = operands(form, raw, variant)
     w = gguf_reference(raw, qtype)

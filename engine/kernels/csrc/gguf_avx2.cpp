@@ -73,13 +73,15 @@ void q4_k_tile(const TileArgs& a) {
           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales_mins + 8)))));
       for (int r = 0; r < a.rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b;
-        __m256i scaled = _mm256_setzero_si256();
+        const float* xd = a.acts[r].d + 64 * b;  // lane i of sub-block s: xd[8s + i]
+        __m256 scaled = _mm256_setzero_ps();
         for (int s = 0; s < 8; ++s) {
           const __m256i pairs = _mm256_maddubs_epi16(q[s], load(x + 32 * s));
-          scaled = _mm256_add_epi32(scaled, _mm256_madd_epi16(pairs, scale[s]));
+          const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scale[s]));
+          scaled = _mm256_fmadd_ps(sum, _mm256_loadu_ps(xd + 8 * s), scaled);
         }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled), _mm256_mul_ps(d, _mm256_set1_ps(a.acts[r].d[b])), acc[r]);
-        acc[r] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a.acts[r].dsums + 8 * b), acc[r]);
+        acc[r] = _mm256_fmadd_ps(scaled, d, acc[r]);
+        acc[r] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a.acts[r].dsums32 + 8 * b), acc[r]);
       }
     }
     for (int r = 0; r < a.rows; ++r) a.out[r * a.out_stride + n] = hsum(acc[r]);
@@ -119,20 +121,25 @@ void q6_k_tile(const TileArgs& a) {
       for (int k = 0; k < 8; ++k) {
         scale[k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales8, pair_selector(2 * k)));
       }
-      const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
-      const float d = load_half(block + 208);
+      // q was unpacked as 0..63: 32 * sc * (d * sum of x) per group of 16 comes back off
+      const __m256 thirty_two = _mm256_set1_ps(32.0f);
+      const __m256 offset_low = _mm256_mul_ps(thirty_two, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales8)));
+      const __m256 offset_high =
+          _mm256_mul_ps(thirty_two, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales8, 8))));
+      const __m256 d = _mm256_set1_ps(load_half(block + 208));
       for (int r = 0; r < a.rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b;
-        __m256i scaled = _mm256_setzero_si256();
+        const float* xd = a.acts[r].d + 64 * b;  // lane i of q[k]: xd[8k + i]
+        __m256 scaled = _mm256_setzero_ps();
         for (int k = 0; k < 8; ++k) {
           const __m256i pairs = _mm256_maddubs_epi16(q[k], load(x + 32 * k));
-          scaled = _mm256_add_epi32(scaled, _mm256_madd_epi16(pairs, scale[k]));
+          const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scale[k]));
+          scaled = _mm256_fmadd_ps(sum, _mm256_loadu_ps(xd + 8 * k), scaled);
         }
-        // q was unpacked as 0..63: take 32 * sum(x) per group of 16 back off.
-        const __m256i offset = _mm256_madd_epi16(load(a.acts[r].sums + 16 * b), scales16);
-        scaled = _mm256_sub_epi32(scaled, _mm256_slli_epi32(offset, 5));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled), _mm256_set1_ps(d * a.acts[r].d[b]),
-                                 acc[r]);
+        const float* dsums = a.acts[r].dsums16 + 16 * b;
+        scaled = _mm256_fnmadd_ps(offset_low, _mm256_loadu_ps(dsums), scaled);
+        scaled = _mm256_fnmadd_ps(offset_high, _mm256_loadu_ps(dsums + 8), scaled);
+        acc[r] = _mm256_fmadd_ps(scaled, d, acc[r]);
       }
     }
     for (int r = 0; r < a.rows; ++r) a.out[r * a.out_stride + n] = hsum(acc[r]);
@@ -173,12 +180,13 @@ void tile_32(const TileArgs& a) {
       const uint8_t* block = row + b * block_bytes;
       const __m256i w = unpack_32<QType>(block);
       const __m256i magnitude = _mm256_sign_epi8(w, w);  // |w|, unsigned for maddubs
-      const float d = load_half(block);
+      const __m256 d = _mm256_set1_ps(load_half(block));
       for (int r = 0; r < a.rows; ++r) {
         // x * sign(w): the product |w| * x * sign(w) = w * x, pairs summed in int16
         const __m256i x = _mm256_sign_epi8(load(a.acts[r].q + 32 * b), w);
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.acts[r].d[8 * b]),
+        // lanes 0-3: the block's first group of 16, 4-7 its second
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_loadu_ps(a.acts[r].d + 8 * b)),
                                  acc[r]);
       }
     }

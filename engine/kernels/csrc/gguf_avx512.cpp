@@ -92,12 +92,14 @@ void q4_k_tile(const TileArgs& a) {
       const __m512 d = _mm512_set1_ps(load_half(block));
       for (int r = 0; r < a.rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b;
-        __m512i scaled = _mm512_madd_epi16(dot(q[0], load(x)), scale[0]);
-        for (int k = 1; k < 4; ++k) {
-          scaled = _mm512_add_epi32(scaled, _mm512_madd_epi16(dot(q[k], load(x + 64 * k)), scale[k]));
+        const float* xd = a.acts[r].d + 64 * b;  // lane i of zmm k: xd[16k + i]
+        __m512 scaled = _mm512_setzero_ps();
+        for (int k = 0; k < 4; ++k) {
+          const __m512i sum = _mm512_madd_epi16(dot(q[k], load(x + 64 * k)), scale[k]);
+          scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_loadu_ps(xd + 16 * k), scaled);
         }
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), _mm512_mul_ps(d, _mm512_set1_ps(a.acts[r].d[b])), acc[r]);
-        low_acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.acts[r].dsums + 8 * b), low_acc[r]);
+        acc[r] = _mm512_fmadd_ps(scaled, d, acc[r]);
+        low_acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.acts[r].dsums32 + 8 * b), low_acc[r]);
       }
     }
     for (int r = 0; r < a.rows; ++r) {
@@ -110,10 +112,10 @@ void q4_k_tile(const TileArgs& a) {
   }
 }
 
-// Q4_K_X (repacked at load): zmm k's lanes 2s, 2s + 1 hold 8 values of sub-block s, so the
-// four `vpdpbusd` of a block accumulate in one register (each lane at most 16 * 15 * 127, an
-// int16) and take the sub-block scales with one `vpmaddwd`; the activations come in
-// QOrder kSubblockLanes.
+// Q4_K_X (repacked at load): zmm k's lane i holds 4 values of group i (16 values), so the four
+// `vpdpbusd` of a block accumulate in one register (each lane at most 16 * 15 * 127, an int16)
+// and take the sub-block scales with one `vpmaddwd`; the activations come in QOrder
+// kSubblockLanes.
 void q4_k_x_tile(const TileArgs& a) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -141,9 +143,10 @@ void q4_k_x_tile(const TileArgs& a) {
         sum = _mm512_dpbusd_epi32(sum, q1, load(x + 64));
         sum = _mm512_dpbusd_epi32(sum, q2, load(x + 128));
         sum = _mm512_dpbusd_epi32(sum, q3, load(x + 192));
-        const __m512i scaled = _mm512_madd_epi16(sum, scale);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), _mm512_mul_ps(d, _mm512_set1_ps(a.acts[r].d[b])), acc[r]);
-        low_acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.acts[r].dsums + 8 * b), low_acc[r]);
+        const __m512i scaled = _mm512_madd_epi16(sum, scale);  // lane i: group i
+        const __m512 xd = _mm512_loadu_ps(a.acts[r].d + 64 * b);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), _mm512_mul_ps(d, xd), acc[r]);
+        low_acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.acts[r].dsums32 + 8 * b), low_acc[r]);
       }
     }
     for (int r = 0; r < a.rows; ++r) {
@@ -186,19 +189,19 @@ void q6_k_tile(const TileArgs& a) {
       const __m512i scales32 = _mm512_and_si512(_mm512_cvtepi8_epi32(scales8), low_half);
       __m512i scale[4];
       for (int k = 0; k < 4; ++k) scale[k] = _mm512_permutexvar_epi32(pick[k], scales32);
-      const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
-      const float d = load_half(block + 208);
+      // q was unpacked as 0..63: 32 * sc * (d * sum of x) per group of 16 comes back off
+      const __m512 offset = _mm512_mul_ps(_mm512_set1_ps(32.0f), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scales8)));
+      const __m512 d = _mm512_set1_ps(load_half(block + 208));
       for (int r = 0; r < a.rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b;
-        __m512i scaled = _mm512_madd_epi16(dot(q[0], load(x)), scale[0]);
-        for (int k = 1; k < 4; ++k) {
-          scaled = _mm512_add_epi32(scaled, _mm512_madd_epi16(dot(q[k], load(x + 64 * k)), scale[k]));
+        const float* xd = a.acts[r].d + 64 * b;  // lane i of zmm k: xd[16k + i]
+        __m512 scaled = _mm512_setzero_ps();
+        for (int k = 0; k < 4; ++k) {
+          const __m512i sum = _mm512_madd_epi16(dot(q[k], load(x + 64 * k)), scale[k]);
+          scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_loadu_ps(xd + 16 * k), scaled);
         }
-        // q was unpacked as 0..63: take 32 * sum(x) per group of 16 back off.
-        const __m256i offset = _mm256_madd_epi16(load256(a.acts[r].sums + 16 * b), scales16);
-        scaled = _mm512_sub_epi32(scaled, _mm512_zextsi256_si512(_mm256_slli_epi32(offset, 5)));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled), _mm512_set1_ps(d * a.acts[r].d[b]),
-                                 acc[r]);
+        scaled = _mm512_fnmadd_ps(offset, _mm512_loadu_ps(a.acts[r].dsums16 + 16 * b), scaled);
+        acc[r] = _mm512_fmadd_ps(scaled, d, acc[r]);
       }
     }
     for (int r = 0; r < a.rows; ++r) a.out[r * a.out_stride + n] = _mm512_reduce_add_ps(acc[r]);
@@ -254,10 +257,11 @@ void tile_32(const TileArgs& a) {
 // ---- Row-interleaved layouts (Q4_K_R16, Q6_K_R16; gguf_blocks.h): lane j is output column j ----
 //
 // Each `vpdpbusd` takes 4 K values of 16 columns and one group of 4 activations broadcast to
-// every lane. A sub-block's int32 sums take their 16 scales with one `vpmulld` (a Q4_K sub-block
-// sum reaches 32 * 15 * 127, past int16, so no `vpmaddwd` trick here); the float work, the mins
-// and Q6_K's -32 are paid once per super-block and 16 columns. The weights are unpacked once per
-// sub-block and used by all `Rows` (1 to 16) activation rows, whose accumulators stay in registers.
+// every lane. Each group of 16 values' int32 sums turn float once, times the row's scale for
+// that group (a broadcast load); the column scales, converted once per block for all rows,
+// multiply a sub-block's sum; the mins and Q6_K's -32 come off through the row's per-group
+// d * sum(q). The weights are unpacked once per sub-block and used by all `Rows` (1 to 16)
+// activation rows, whose accumulators stay in registers.
 
 // x[0..3] in every int32 lane: GCC 12 emits a `vpbroadcastd` load (a load-port uop, no ALU work)
 // rather than folding it into `vpdpbusd` as an m32bcst operand; either costs no shuffle.
@@ -267,27 +271,29 @@ inline __m512i broadcast4(const int8_t* x) {
   return _mm512_set1_epi32(v);
 }
 
-inline __m512i broadcast_pair(const int16_t* sums) {  // sums[0], sums[1] in every int32 lane
-  int32_t v;
-  std::memcpy(&v, sums, 4);
-  return _mm512_set1_epi32(v);
-}
-
 inline __m512 load_halves(const uint8_t* p) {  // 16 f16 -> 16 floats
   return _mm512_cvtph_ps(load256(p));
+}
+
+// 4 x 4 values of 16 columns (w[0..3]) times 16 activations: int32 per column.
+inline __m512i dot16(const __m512i* w, const int8_t* x) {
+  __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(x));
+  for (int t = 1; t < 4; ++t) sum = _mm512_dpbusd_epi32(sum, w[t], broadcast4(x + 4 * t));
+  return sum;
 }
 
 // One group of 16 columns x Rows rows, Q4_K_R16.
 template <int Rows>
 void q4_k_r16_group(const TileArgs& a) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i low_half = _mm512_set1_epi32(0xFFFF);
   const uint8_t* group = a.weights + a.n_begin * a.weight_row_bytes;
   __m512 acc[Rows];
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* block = group + b * (16 * 148);
-    __m512i sum[Rows];  // [16 columns] per row: sum over sub-blocks of scale * (q . x)
-    for (int r = 0; r < Rows; ++r) sum[r] = _mm512_setzero_si512();
+    __m512 scaled[Rows];  // [16 columns] per row: sum over sub-blocks of scale * (q . x)
+    for (int r = 0; r < Rows; ++r) scaled[r] = _mm512_setzero_ps();
     for (int s = 0; s < 8; ++s) {
       __m512i w[8];  // w[t]: values 32s + 4t .. + 3 of the 16 columns
       for (int c = 0; c < 4; ++c) {
@@ -295,25 +301,30 @@ void q4_k_r16_group(const TileArgs& a) {
         w[c] = _mm512_and_si512(v, nibble);
         w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
-      const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * s)));
+      const __m512 scale = _mm512_cvtepi32_ps(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * s))));
 #pragma GCC unroll 16  // GCC leaves a loop, and the sums in memory, past 8 rows otherwise
       for (int r = 0; r < Rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b + 32 * s;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(x));
-        for (int t = 1; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], broadcast4(x + 4 * t));
-        sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(dot, scale));
+        const float* xd = a.acts[r].d + 64 * b + 8 * s;  // groups 2s, 2s + 1: xd[0], xd[4]
+        __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(dot16(w, x)), _mm512_set1_ps(xd[0]));
+        sub = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot16(w + 4, x + 16)), _mm512_set1_ps(xd[4]), sub);
+        scaled[r] = _mm512_fmadd_ps(sub, scale, scaled[r]);
       }
     }
-    __m512i mins[4];  // int16 pairs: column j's mins of sub-blocks 2p, 2p + 1
-    for (int p = 0; p < 4; ++p) mins[p] = _mm512_cvtepu8_epi16(load256(block + 192 + 32 * p));
+    __m512 mins[8];  // column j's min of sub-block s (stored in pairs 2p, 2p + 1 per int16 lane)
+    for (int p = 0; p < 4; ++p) {
+      const __m512i pair = _mm512_cvtepu8_epi16(load256(block + 192 + 32 * p));
+      mins[2 * p] = _mm512_cvtepi32_ps(_mm512_and_si512(pair, low_half));
+      mins[2 * p + 1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16));
+    }
     const __m512 d = load_halves(block), dmin = load_halves(block + 32);
     for (int r = 0; r < Rows; ++r) {
-      const int16_t* pair_sums = a.acts[r].pair_sums + 8 * b;
-      __m512i low = _mm512_madd_epi16(mins[0], broadcast_pair(pair_sums));
-      for (int p = 1; p < 4; ++p) low = _mm512_add_epi32(low, _mm512_madd_epi16(mins[p], broadcast_pair(pair_sums + 2 * p)));
-      const __m512 xd = _mm512_set1_ps(a.acts[r].d[b]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(d, xd), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(low), _mm512_mul_ps(dmin, xd), acc[r]);
+      const float* dsums = a.acts[r].dsums32 + 8 * b;
+      __m512 low = _mm512_mul_ps(mins[0], _mm512_set1_ps(dsums[0]));
+      for (int s = 1; s < 8; ++s) low = _mm512_fmadd_ps(mins[s], _mm512_set1_ps(dsums[s]), low);
+      acc[r] = _mm512_fmadd_ps(scaled[r], d, acc[r]);
+      acc[r] = _mm512_fnmadd_ps(low, dmin, acc[r]);
     }
   }
   for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(a.out + r * a.out_stride + a.n_begin, acc[r]);
@@ -329,8 +340,8 @@ void q6_k_r16_group(const TileArgs& a) {
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* block = group + b * (16 * 210);
-    __m512i sum[Rows];  // [16 columns] per row: sum over groups of scale * (q . x), q in 0..63
-    for (int r = 0; r < Rows; ++r) sum[r] = _mm512_setzero_si512();
+    __m512 scaled[Rows];  // [16 columns] per row: sum over groups of scale * (q - 32) . x
+    for (int r = 0; r < Rows; ++r) scaled[r] = _mm512_setzero_ps();
     for (int g = 0; g < 16; ++g) {
       const uint8_t* values = block + 288 + 192 * g;
       const __m512i low0 = load(values), low1 = load(values + 64), high = load(values + 128);
@@ -344,26 +355,19 @@ void q6_k_r16_group(const TileArgs& a) {
       };
       // scales are stored in int16-able pairs (groups 2p, 2p + 1): pick this group's half
       const __m512i pair = _mm512_cvtepi8_epi16(load256(block + 32 + 32 * (g / 2)));
-      const __m512i scale = g % 2 ? _mm512_srai_epi32(pair, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+      const __m512 scale = _mm512_cvtepi32_ps(
+          g % 2 ? _mm512_srai_epi32(pair, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16));
+      const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(32.0f));  // the -32 of q
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b + 16 * g;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(x));
-        for (int k = 1; k < 4; ++k) dot = _mm512_dpbusd_epi32(dot, w[k], broadcast4(x + 4 * k));
-        sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(dot, scale));
+        const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(dot16(w, x)), _mm512_set1_ps(a.acts[r].d[64 * b + 4 * g]));
+        scaled[r] = _mm512_fmadd_ps(sum, scale, scaled[r]);
+        scaled[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(a.acts[r].dsums16[16 * b + g]), scaled[r]);
       }
     }
-    __m512i scales[8];  // int16 pairs: column j's scales of groups 2p, 2p + 1
-    for (int p = 0; p < 8; ++p) scales[p] = _mm512_cvtepi8_epi16(load256(block + 32 + 32 * p));
     const __m512 d = load_halves(block);
-    for (int r = 0; r < Rows; ++r) {
-      // the -32 of every value: 32 * sum over groups of scale * (sum of the group's x)
-      const int16_t* sums = a.acts[r].sums + 16 * b;
-      __m512i offset = _mm512_madd_epi16(scales[0], broadcast_pair(sums));
-      for (int p = 1; p < 8; ++p) offset = _mm512_add_epi32(offset, _mm512_madd_epi16(scales[p], broadcast_pair(sums + 2 * p)));
-      const __m512i exact = _mm512_sub_epi32(sum[r], _mm512_slli_epi32(offset, 5));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, _mm512_set1_ps(a.acts[r].d[b])), acc[r]);
-    }
+    for (int r = 0; r < Rows; ++r) acc[r] = _mm512_fmadd_ps(scaled[r], d, acc[r]);
   }
   for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(a.out + r * a.out_stride + a.n_begin, acc[r]);
 }

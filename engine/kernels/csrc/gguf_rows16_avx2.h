@@ -4,12 +4,12 @@
 //
 // A 64-byte run of the layout is 16 columns x 4 K values; its 32-byte halves are columns 0-7
 // and 8-15, one ymm each (lane j: column 8h + j). `vpmaddubsw` against a broadcast group of 4
-// activations gives int16 pairs, and several steps add in int16 before one `vpmaddwd` applies
-// the scale: a whole Q4_K sub-block (8 steps, at most 8 * 2 * 15 * 127 = 30480) and half a Q6_K
-// group (2 steps, 2 * 2 * 63 * 127 = 32004) stay below 32768. The scale sits in both int16 halves
-// of its int32 lane, so that `vpmaddwd` is scale * (sum of the pair), exact in int32.
+// activations gives int16 pairs, and two steps add in int16 before one `vpmaddwd` applies the
+// scale (2 * 2 * 63 * 127 = 32004 stays below 32768). The scale sits in both int16 halves of
+// its int32 lane, so that `vpmaddwd` is scale * (sum of the pair), exact in int32.
 // With AVX-VNNI, `vpdpbusd` sums the 4 products straight into int32 (as the AVX512 kernel does)
-// and `vpmulld` applies the scale.
+// and `vpmulld` applies the scale. Each group of 16 values then turns float once, times the
+// row's scale for that group.
 
 #pragma once
 
@@ -30,24 +30,35 @@ inline __m256i broadcast4(const int8_t* x) {  // x[0..3] in every int32 lane
   return _mm256_set1_epi32(v);
 }
 
-inline __m256i broadcast_pair(const int16_t* sums) {  // sums[0], sums[1] in every int32 lane
-  int32_t v;
-  std::memcpy(&v, sums, 4);
-  return _mm256_set1_epi32(v);
-}
-
 inline __m256 load_halves(const uint8_t* p) {  // 8 f16 -> 8 floats
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
+// scale * (w[0..3] . x) per column, int32: 4 x 4 values of 8 columns times 16 activations.
+template <bool Vnni>
+inline __m256i dot16(const __m256i* w, const int8_t* x, __m256i scale_pairs, __m256i scale32) {
+  if constexpr (Vnni) {
+    __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], broadcast4(x));
+    for (int t = 1; t < 4; ++t) dot = _mm256_dpbusd_avx_epi32(dot, w[t], broadcast4(x + 4 * t));
+    return _mm256_mullo_epi32(dot, scale32);
+  } else {
+    // two int16 steps per `vpmaddwd`: 2 * 2 * 63 * 127 = 32004 stays below 32768
+    const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], broadcast4(x)),
+                                           _mm256_maddubs_epi16(w[1], broadcast4(x + 4)));
+    const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], broadcast4(x + 8)),
+                                            _mm256_maddubs_epi16(w[3], broadcast4(x + 12)));
+    return _mm256_add_epi32(_mm256_madd_epi16(first, scale_pairs), _mm256_madd_epi16(second, scale_pairs));
+  }
+}
+
 // Columns 8h .. 8h + 7 of one Q4_K_R16 super-block, for Rows rows, added into acc.
 template <int Rows, bool Vnni>
 void q4_k_r16_half(const uint8_t* block, int h, int64_t b, const ActRow* acts, __m256* acc) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  __m256i sum[Rows];
-  for (int r = 0; r < Rows; ++r) sum[r] = _mm256_setzero_si256();
+  __m256 scaled[Rows];
+  for (int r = 0; r < Rows; ++r) scaled[r] = _mm256_setzero_ps();
   for (int s = 0; s < 8; ++s) {
     __m256i w[8];  // w[t]: values 32s + 4t .. + 3 of the 8 columns
     for (int c = 0; c < 4; ++c) {
@@ -61,28 +72,26 @@ void q4_k_r16_half(const uint8_t* block, int h, int64_t b, const ActRow* acts, _
     const __m256i scale = _mm256_or_si256(scale32, _mm256_slli_epi32(scale32, 16));
     for (int r = 0; r < Rows; ++r) {
       const int8_t* x = acts[r].q + 256 * b + 32 * s;
-      if constexpr (Vnni) {
-        __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], broadcast4(x));
-        for (int t = 1; t < 8; ++t) dot = _mm256_dpbusd_avx_epi32(dot, w[t], broadcast4(x + 4 * t));
-        sum[r] = _mm256_add_epi32(sum[r], _mm256_mullo_epi32(dot, scale32));
-      } else {
-        __m256i pairs = _mm256_maddubs_epi16(w[0], broadcast4(x));
-        for (int t = 1; t < 8; ++t) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[t], broadcast4(x + 4 * t)));
-        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pairs, scale));
-      }
+      const float* xd = acts[r].d + 64 * b + 8 * s;  // groups 2s, 2s + 1: xd[0], xd[4]
+      const __m256 first = _mm256_cvtepi32_ps(dot16<Vnni>(w, x, scale, scale32));
+      const __m256 second = _mm256_cvtepi32_ps(dot16<Vnni>(w + 4, x + 16, scale, scale32));
+      scaled[r] = _mm256_fmadd_ps(first, _mm256_set1_ps(xd[0]), scaled[r]);
+      scaled[r] = _mm256_fmadd_ps(second, _mm256_set1_ps(xd[4]), scaled[r]);
     }
+  }
+  __m256 mins[8];  // column 8h + j's min of sub-block s (stored in pairs 2p, 2p + 1)
+  for (int p = 0; p < 4; ++p) {
+    const __m256i pair = _mm256_cvtepu8_epi16(load128(block + 192 + 32 * p + 16 * h));
+    mins[2 * p] = _mm256_cvtepi32_ps(_mm256_and_si256(pair, _mm256_set1_epi32(0xFFFF)));
+    mins[2 * p + 1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(pair, 16));
   }
   const __m256 d = load_halves(block + 16 * h), dmin = load_halves(block + 32 + 16 * h);
   for (int r = 0; r < Rows; ++r) {
-    const int16_t* pair_sums = acts[r].pair_sums + 8 * b;
-    __m256i low = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {
-      const __m256i mins = _mm256_cvtepu8_epi16(load128(block + 192 + 32 * p + 16 * h));
-      low = _mm256_add_epi32(low, _mm256_madd_epi16(mins, broadcast_pair(pair_sums + 2 * p)));
-    }
-    const __m256 xd = _mm256_set1_ps(acts[r].d[b]);
-    acc[2 * r + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, xd), acc[2 * r + h]);
-    acc[2 * r + h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(low), _mm256_mul_ps(dmin, xd), acc[2 * r + h]);
+    const float* dsums = acts[r].dsums32 + 8 * b;
+    __m256 low = _mm256_mul_ps(mins[0], _mm256_set1_ps(dsums[0]));
+    for (int s = 1; s < 8; ++s) low = _mm256_fmadd_ps(mins[s], _mm256_set1_ps(dsums[s]), low);
+    acc[2 * r + h] = _mm256_fmadd_ps(scaled[r], d, acc[2 * r + h]);
+    acc[2 * r + h] = _mm256_fnmadd_ps(low, dmin, acc[2 * r + h]);
   }
 }
 
@@ -94,8 +103,8 @@ void q6_k_r16_half(const uint8_t* block, int h, int64_t b, const ActRow* acts, _
   const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
                                         0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
   const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
-  __m256i sum[Rows];
-  for (int r = 0; r < Rows; ++r) sum[r] = _mm256_setzero_si256();
+  __m256 scaled[Rows];
+  for (int r = 0; r < Rows; ++r) scaled[r] = _mm256_setzero_ps();
   for (int g = 0; g < 16; ++g) {
     const uint8_t* values = block + 288 + 192 * g + 32 * h;
     const __m256i low0 = load_ymm(values), low1 = load_ymm(values + 64), high = load_ymm(values + 128);
@@ -109,34 +118,17 @@ void q6_k_r16_half(const uint8_t* block, int h, int64_t b, const ActRow* acts, _
     };
     const __m256i pair = _mm256_cvtepi8_epi16(load128(block + 32 + 32 * (g / 2) + 16 * h));
     const __m256i scale = _mm256_shuffle_epi8(pair, g % 2 ? odd : even);  // this group's, twice
+    const __m256i scale32 = _mm256_srai_epi32(_mm256_slli_epi32(scale, 16), 16);
+    const __m256 offset = _mm256_mul_ps(_mm256_cvtepi32_ps(scale32), _mm256_set1_ps(32.0f));  // the -32 of q
     for (int r = 0; r < Rows; ++r) {
       const int8_t* x = acts[r].q + 256 * b + 16 * g;
-      if constexpr (Vnni) {
-        __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], broadcast4(x));
-        for (int k = 1; k < 4; ++k) dot = _mm256_dpbusd_avx_epi32(dot, w[k], broadcast4(x + 4 * k));
-        sum[r] = _mm256_add_epi32(sum[r], _mm256_mullo_epi32(dot, _mm256_srai_epi32(_mm256_slli_epi32(scale, 16), 16)));
-        continue;
-      }
-      const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], broadcast4(x)),
-                                             _mm256_maddubs_epi16(w[1], broadcast4(x + 4)));
-      const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], broadcast4(x + 8)),
-                                              _mm256_maddubs_epi16(w[3], broadcast4(x + 12)));
-      sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(_mm256_madd_epi16(first, scale),
-                                                         _mm256_madd_epi16(second, scale)));
+      const __m256 sum = _mm256_cvtepi32_ps(dot16<Vnni>(w, x, scale, scale32));
+      scaled[r] = _mm256_fmadd_ps(sum, _mm256_set1_ps(acts[r].d[64 * b + 4 * g]), scaled[r]);
+      scaled[r] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(acts[r].dsums16[16 * b + g]), scaled[r]);
     }
   }
   const __m256 d = load_halves(block + 16 * h);
-  for (int r = 0; r < Rows; ++r) {
-    const int16_t* sums = acts[r].sums + 16 * b;  // the -32 of every value, as in the AVX512 kernel
-    __m256i offset = _mm256_setzero_si256();
-    for (int p = 0; p < 8; ++p) {
-      const __m256i scales = _mm256_cvtepi8_epi16(load128(block + 32 + 32 * p + 16 * h));
-      offset = _mm256_add_epi32(offset, _mm256_madd_epi16(scales, broadcast_pair(sums + 2 * p)));
-    }
-    const __m256i exact = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(offset, 5));
-    acc[2 * r + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, _mm256_set1_ps(acts[r].d[b])),
-                                     acc[2 * r + h]);
-  }
+  for (int r = 0; r < Rows; ++r) acc[2 * r + h] = _mm256_fmadd_ps(scaled[r], d, acc[2 * r + h]);
 }
 
 // One group of 16 columns x Rows rows: the two 8-column halves of each super-block in turn.

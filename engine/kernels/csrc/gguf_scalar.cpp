@@ -180,16 +180,16 @@ void k_tile(const TileArgs& a) {
         unpack_k(QType, row + b * block_bytes, &w);
       }
       for (int r = 0; r < a.rows; ++r) {
-        const int8_t* x = a.acts[r].q + 256 * b;
-        const int16_t* sums = a.acts[r].sums + 16 * b;
-        int32_t scaled = 0, mins = 0;
+        const ActRow& act = a.acts[r];
+        float scaled = 0.0f, mins = 0.0f;
         for (int g = 0; g < 16; ++g) {
           int32_t dot = 0;
-          for (int i = 0; i < 16; ++i) dot += int32_t(w.q[16 * g + i]) * x[16 * g + i];
-          scaled += w.scale[g] * (dot - w.offset * sums[g]);
-          mins += w.min[g] * sums[g];
+          for (int i = 0; i < 16; ++i) dot += int32_t(w.q[16 * g + i]) * act.q[256 * b + 16 * g + i];
+          const float xd = act.d[64 * b + 4 * g], dsum = act.dsums16[16 * b + g];
+          scaled += float(w.scale[g]) * (xd * float(dot) - float(w.offset) * dsum);
+          mins += float(w.min[g]) * dsum;
         }
-        acc[r] += a.acts[r].d[b] * (w.d * float(scaled) - w.dmin * float(mins));
+        acc[r] += w.d * scaled - w.dmin * mins;
       }
     }
     for (int r = 0; r < a.rows; ++r) a.out[r * a.out_stride + n] = acc[r];
@@ -208,9 +208,10 @@ void tile_32(const TileArgs& a) {
       unpack_32(QType, row + b * block_bytes, q, &d);
       for (int r = 0; r < a.rows; ++r) {
         const int8_t* x = a.acts[r].q + 32 * b;
-        int32_t dot = 0;
-        for (int i = 0; i < 32; ++i) dot += int32_t(q[i]) * x[i];
-        acc[r] += (d * a.acts[r].d[8 * b]) * float(dot);
+        int32_t low = 0, high = 0;  // the block's two groups of 16
+        for (int i = 0; i < 16; ++i) low += int32_t(q[i]) * x[i];
+        for (int i = 16; i < 32; ++i) high += int32_t(q[i]) * x[i];
+        acc[r] += d * (a.acts[r].d[8 * b] * float(low) + a.acts[r].d[8 * b + 4] * float(high));
       }
     }
     for (int r = 0; r < a.rows; ++r) a.out[r * a.out_stride + n] = acc[r];
@@ -224,19 +225,28 @@ inline int32_t round_nearest(float v) {
   return int32_t((v + magic) - magic);
 }
 
-// 32-value runs 0..7 -> 0, 2, 1, 3, 4, 6, 5, 7 (QOrder kNibbleHalves).
-void reorder_nibble_halves(int8_t* q) {
+// 32-value runs 0..7 -> 0, 2, 1, 3, 4, 6, 5, 7 (QOrder kNibbleHalves), q and the scales of its
+// 4-value units alike.
+void reorder_nibble_halves(int8_t* q, float* d) {
   int8_t copy[256];
+  float d_copy[64];
   std::memcpy(copy, q, 256);
+  std::memcpy(d_copy, d, sizeof d_copy);
   static const int kRun[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-  for (int i = 0; i < 8; ++i) std::memcpy(q + 32 * i, copy + 32 * kRun[i], 32);
+  for (int i = 0; i < 8; ++i) {
+    std::memcpy(q + 32 * i, copy + 32 * kRun[i], 32);
+    std::memcpy(d + 8 * i, d_copy + 8 * kRun[i], 8 * sizeof(float));
+  }
 }
 
-void reorder_subblock_lanes(int8_t* q) {
+void reorder_subblock_lanes(int8_t* q, float* d) {
   int8_t copy[256];
+  float d_copy[64];
   std::memcpy(copy, q, 256);
+  std::memcpy(d_copy, d, sizeof d_copy);
   for (int k = 0; k < 4; ++k) {
     for (int p = 0; p < 64; ++p) q[64 * k + p] = copy[value_in_lanes(k, p)];
+    for (int p = 0; p < 64; p += 4) d[16 * k + p / 4] = d_copy[value_in_lanes(k, p) / 4];
   }
 }
 
@@ -330,39 +340,33 @@ void dequantize_block(int qtype, const uint8_t* block, float* out) {
 
 void quantize_row(const float* x, const ActLayout& layout, uint8_t* row, float* residual) {
   int8_t* q = reinterpret_cast<int8_t*>(row);
-  int16_t* sums = reinterpret_cast<int16_t*>(row + layout.sums_offset);
-  float* dsums = reinterpret_cast<float*>(row + layout.dsums_offset);
   float* d_out = reinterpret_cast<float*>(row + layout.d_offset);
-  const int block = layout.k_quant ? 256 : 32;
-  for (int64_t b = 0; b < layout.k / block; ++b) {
-    const float* xb = x + b * block;
+  float* dsums16 = reinterpret_cast<float*>(row + layout.dsums16_offset);
+  float* dsums32 = reinterpret_cast<float*>(row + layout.dsums32_offset);
+  for (int64_t g = 0; g < layout.k / 16; ++g) {
+    const float* xg = x + 16 * g;
     float amax = 0.0f;
-    for (int i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(xg[i]));
     const float d = amax / 127.0f;
     const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < block; ++i) {
-      q[b * block + i] = int8_t(std::clamp(round_nearest(xb[i] * inverse), -127, 127));
+    int32_t sum = 0;
+    for (int i = 0; i < 16; ++i) {
+      q[16 * g + i] = int8_t(std::clamp(round_nearest(xg[i] * inverse), -127, 127));
+      sum += q[16 * g + i];
+      if (residual != nullptr) residual[16 * g + i] = xg[i] - d * float(q[16 * g + i]);
     }
-    if (residual != nullptr) {
-      for (int i = 0; i < block; ++i) residual[b * block + i] = xb[i] - d * float(q[b * block + i]);
-    }
+    for (int i = 0; i < 4; ++i) d_out[4 * g + i] = d;
     if (layout.k_quant) {
-      d_out[b] = d;
-      for (int g = 0; g < 16; ++g) {
-        int32_t sum = 0;
-        for (int i = 0; i < 16; ++i) sum += q[b * block + 16 * g + i];
-        sums[b * 16 + g] = int16_t(sum);
-      }
-      int16_t* pair_sums = reinterpret_cast<int16_t*>(row + layout.pair_sums_offset) + b * 8;
-      for (int s = 0; s < 8; ++s) {
-        pair_sums[s] = int16_t(sums[b * 16 + 2 * s] + sums[b * 16 + 2 * s + 1]);  // |.| <= 32 * 127
-        dsums[b * 8 + s] = d * float(pair_sums[s]);
-      }
-      if (layout.q_order == kNibbleHalves) reorder_nibble_halves(q + b * block);
-      if (layout.q_order == kSubblockLanes) reorder_subblock_lanes(q + b * block);
-    } else {
-      for (int i = 0; i < 8; ++i) d_out[8 * b + i] = d;
+      dsums16[g] = d * float(sum);
+      if (g % 2 == 1) dsums32[g / 2] = dsums16[g - 1] + dsums16[g];
     }
+  }
+  if (!layout.k_quant || layout.q_order == kNatural) return;
+  for (int64_t b = 0; b < layout.k / 256; ++b) {  // q and d to the variant's order
+    int8_t* qb = q + 256 * b;
+    float* db = d_out + 64 * b;
+    if (layout.q_order == kNibbleHalves) reorder_nibble_halves(qb, db);
+    if (layout.q_order == kSubblockLanes) reorder_subblock_lanes(qb, db);
   }
 }
 

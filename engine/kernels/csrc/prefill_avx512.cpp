@@ -48,8 +48,8 @@ void round_bf16_native(const float* in, int64_t n, uint16_t* out) {
 }
 
 // Q4_K_X (gguf_blocks.h) straight to bf16. Byte p of half c holds, low nibble, value
-// 32 (p / 8) + 16 c + p % 8 and, high nibble, the value 8 past it; both of sub-block s = p / 8.
-// So sub-block s is [c0 low, c0 high, c1 low, c1 high] of bytes 8s..8s+7 of each half.
+// 16 (p / 4) + 8 c + p % 4 and, high nibble, the value 4 past it; both of group p / 4. So
+// group g is [c0 low, c0 high, c1 low, c1 high] of bytes 4g..4g+3 of each half.
 template <bool kNative>
 void q4_k_x_row_bf16(const uint8_t* row, int64_t blocks, uint16_t* out) {
   const __m128i nibble = _mm_set1_epi8(15);
@@ -60,9 +60,11 @@ void q4_k_x_row_bf16(const uint8_t* row, int64_t blocks, uint16_t* out) {
       const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * s)),
                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 64 + 8 * s)));
       const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+      // [c0 low, c0 high] of groups 2s, 2s + 1, then the same of c1
+      const __m128i c0 = _mm_unpacklo_epi32(low, high), c1 = _mm_unpackhi_epi32(low, high);
       const __m512 scale = _mm512_set1_ps(d * row[4 + s]), neg_min = _mm512_set1_ps(-dmin * row[12 + s]);
-      const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, high)));
-      const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(low, high)));
+      const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(c0, c1)));
+      const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(c0, c1)));
       store_bf16<kNative>(_mm512_fmadd_ps(scale, first, neg_min), out + 32 * s);
       store_bf16<kNative>(_mm512_fmadd_ps(scale, second, neg_min), out + 32 * s + 16);
     }

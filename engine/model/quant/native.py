@@ -33,11 +33,12 @@ from engine.model.quant.formats import GgufBlocks
 
 log = logging.getLogger("specserve.quant")
 
-# Activations are rounded to int8 twice (the second time, what the first rounding left): with one
-# pass the bundled 1.5B loses 3.3% perplexity against its float32 dequantized weights and 96.9%
-# top-1 agreement, with two 0.4% and 97.6% (600 positions of `bench.quant_quality`'s prompts). A
-# decode row costs two activation rows, nearly free where a step is bound by the weights' bytes.
-ACTIVATION_PASSES = 2
+# Activations are rounded to int8 once, per group of 16 values (csrc/gguf_blocks.h): on the
+# bundled 1.5B, 98.5% greedy top-1 agreement with its float32 dequantized weights and +0.4%
+# perplexity over 2,008 positions, where one scale per 256 values (llama.cpp's q8_K) gave 97.0% /
+# +4.3%. A second pass (what the first rounding left, rounded again) would double the integer
+# work of every row: a 4-row verify then cost as much as 8 rows (docs/KERNELS.md).
+ACTIVATION_PASSES = 1
 
 # Row counts tried for the dense prefill path, smallest first; verify rows (<= 16) stay native.
 PREFILL_CANDIDATES = (32, 128, 512)

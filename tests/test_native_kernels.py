@@ -41,7 +41,12 @@ PACKED = {
     "Q4_K_X": (T.Q4_K, "tiles"),
     "Q4_K_R16": (T.Q4_K, "rows16"),
     "Q6_K_R16": (T.Q6_K, "rows16"),
+    "Q4_0_R16": (T.Q4_0, "rows16"),
+    "Q5_0_R16": (T.Q5_0, "rows16"),
+    "Q8_0_R16": (T.Q8_0, "rows16"),
 }
+ROWS16_FORMS = [form for form in PACKED if form.endswith("_R16")]
+ROWS16_32 = {"Q4_0_R16", "Q5_0_R16", "Q8_0_R16"}  # the avx512vnni kernels only
 FORMS = [t.name for t in TYPES] + list(PACKED)
 ROWS16_VARIANTS = {"avx512vnni", "avxvnni", "avx2", "scalar"}  # those with kernels for the interleaved layouts
 
@@ -58,6 +63,8 @@ def operands(form: str, blocks: torch.Tensor, variant: str) -> tuple[torch.Tenso
         pytest.skip(f"Q4_K_X is the avx512vnni layout; {variant} multiplies Q4_K as stored")
     if form != "Q4_K_X" and variant not in ROWS16_VARIANTS:
         pytest.skip(f"{variant} has no kernel for the 16-row layouts")
+    if form in ROWS16_32 and variant in ("avx2", "avxvnni"):
+        pytest.skip(f"{variant} multiplies the 32-value formats as stored")
     qtype, layout = PACKED[form]
     return gguf_ops.pack(blocks, int(qtype), "avx512vnni", layout)
 
@@ -127,7 +134,7 @@ def test_dequantize_equals_gguf(form: str) -> None:
 
 
 @pytest.mark.parametrize("n", [16, 37, 5])
-@pytest.mark.parametrize("form", ["Q4_K_R16", "Q6_K_R16"])
+@pytest.mark.parametrize("form", ROWS16_FORMS)
 def test_rows16_layout_moves_every_value(form: str, n: int) -> None:
     """Full groups of 16 rows, a tail of N % 16 rows, or only a tail: each weight row dequantizes
     to the file's row, and the packed tensor keeps one row per weight row."""
@@ -140,7 +147,7 @@ def test_rows16_layout_moves_every_value(form: str, n: int) -> None:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("form", ["Q4_K_R16", "Q6_K_R16"])
+@pytest.mark.parametrize("form", ROWS16_FORMS)
 @pytest.mark.parametrize("k", [256, 1024])
 def test_rows16_equals_the_per_row_layout_exactly_in_integers(
     form: str, variant: str, k: int
@@ -159,7 +166,7 @@ def test_rows16_equals_the_per_row_layout_exactly_in_integers(
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q8_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16"])
+@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q8_0", "Q4_K_X", *ROWS16_FORMS])
 def test_a_row_is_the_same_alone_or_in_any_batch(form: str, variant: str) -> None:
     k, n = 512, 37  # two full groups of 16 and a tail of 5
     blocks, qtype = operands(form, random_blocks(file_type(form), n, k, seed=5), variant)
@@ -171,7 +178,7 @@ def test_a_row_is_the_same_alone_or_in_any_batch(form: str, variant: str) -> Non
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16"])
+@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16", "Q5_0_R16"])
 def test_two_activation_passes(form: str, variant: str) -> None:
     """The second pass rounds what the first left: within the bound of a rounding of the
     residual (its amax / 254 per group, ~1/127 of the first's), a row the same alone or in any

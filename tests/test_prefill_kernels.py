@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(
     reason="the native kernels did not build here",
 )
 
-FORMS = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_X", "Q4_K_R16", "Q6_K_R16"]
+FORMS = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_X", "Q4_K_R16", "Q6_K_R16",
+         "Q4_0_R16", "Q5_0_R16", "Q8_0_R16"]
 ISAS = ["scalar", "avx2", "avx512", ""]
 
 
@@ -58,7 +59,7 @@ def test_dequantize_bf16_is_the_float_dequantization_rounded(form: str, isa: str
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q8_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16"])
+@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q8_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16", "Q5_0_R16"])
 @pytest.mark.parametrize("shape", [(1, 300, 256), (37, 97, 512), (130, 300, 1024)])
 def test_mm_bf16_against_dense_linear(form: str, isa: str, shape: tuple[int, int, int]) -> None:
     m, n, k = shape  # odd row counts, N not a multiple of the panel

@@ -201,6 +201,7 @@ Variant avx2_variant() {
   return {"avx2",          tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
           q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     nullptr,
           rows16_tile<false, false>, rows16_tile<true, false>,
+          nullptr,         nullptr,          nullptr,  // the 32-value formats stay per row here
           kNatural,         kNatural,        dequantize_row_impl, dequantize_group_impl};
 }
 

@@ -386,6 +386,53 @@ void q6_k_r16_group(const TileArgs& a) {
   for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(a.out + r * a.out_stride + a.n_begin, acc[r]);
 }
 
+// One group of 16 columns x Rows rows, Q4_0_R16 / Q5_0_R16 / Q8_0_R16: per block of 32 values,
+// each half's int32 sums turn float times the row's group scale, the format's offset comes off
+// through the row's d * sum(q) of the block, and the column scales multiply the block's sum.
+template <int QType, int Rows>
+void q32_r16_group(const TileArgs& a) {
+  constexpr int block_bytes = 16 * (QType == Q8_0_R16 ? 34 : QType == Q5_0_R16 ? 22 : 18);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i fifth = _mm512_set1_epi8(0x10);
+  const __m512 offset = _mm512_set1_ps(float(q32_offset(QType)));
+  const uint8_t* group = a.weights + a.n_begin * a.weight_row_bytes;
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* block = group + b * block_bytes;
+    prefetch_ahead(block, block_bytes, 0, 1);
+    __m512i w[8];  // w[t]: values 4t .. 4t + 3 of the 16 columns
+    if constexpr (QType == Q8_0_R16) {
+      for (int t = 0; t < 8; ++t) w[t] = load(block + 32 + 64 * t);
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = load(block + 32 + 64 * c);
+        w[c] = _mm512_and_si512(v, nibble);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      if constexpr (QType == Q5_0_R16) {
+        for (int m = 0; m < 8; ++m) {
+          uint64_t bits;
+          std::memcpy(&bits, block + 288 + 8 * m, 8);
+          __m512i& target = w[m / 2 + 4 * (m % 2)];
+          target = _mm512_mask_or_epi32(target, 0xFFFF, target, _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), fifth));
+        }
+      }
+    }
+    const __m512 d = load_halves(block);
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const int8_t* x = a.acts[r].q + 32 * b;
+      const float* xd = a.acts[r].d + 8 * b;  // the block's groups of 16: xd[0], xd[4]
+      __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(dot16(w, x)), _mm512_set1_ps(xd[0]));
+      sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot16(w + 4, x + 16)), _mm512_set1_ps(xd[4]), sum);
+      sum = _mm512_fnmadd_ps(offset, _mm512_set1_ps(a.acts[r].dsums32[b]), sum);
+      acc[r] = _mm512_fmadd_ps(sum, d, acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(a.out + r * a.out_stride + a.n_begin, acc[r]);
+}
+
 // The row count as a template argument, so each row's accumulators are registers.
 template <template <int> class Group, int Rows = kMaxRows16>
 void by_rows(const TileArgs& a) {
@@ -405,12 +452,21 @@ struct Q6KRows16 {
   static void run(const TileArgs& a) { q6_k_r16_group<Rows>(a); }
 };
 
+template <int QType>
+struct Q32Rows16 {
+  template <int Rows>
+  struct Of {
+    static void run(const TileArgs& a) { q32_r16_group<QType, Rows>(a); }
+  };
+};
+
 }  // namespace
 
 Variant avx512_variant() {
   return {"avx512vnni",     tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
           q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     q4_k_x_tile,
           by_rows<Q4KRows16>, by_rows<Q6KRows16>,
+          by_rows<Q32Rows16<Q4_0_R16>::Of>, by_rows<Q32Rows16<Q5_0_R16>::Of>, by_rows<Q32Rows16<Q8_0_R16>::Of>,
           kNibbleHalves,    kSubblockLanes,  dequantize_row_impl, dequantize_group_impl};
 }
 

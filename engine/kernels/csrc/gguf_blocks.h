@@ -45,8 +45,15 @@
 //     [288, 3360)  group g = 0..15 at 288 + 192g: ql at +0, +64 (c = 0, 1): byte 64c + 4j + i
 //                  has value 16g + 8c + i in its low and 16g + 8c + 4 + i in its high nibble;
 //                  qh at +128: byte 4j + i has bits 2k, 2k + 1 = bits 4, 5 of value 16g + 4k + i
-// The values are unsigned as in the file (0..15, 0..63: Q6_K's -32 is applied with the
-// activation sums), which is the operand order `vpdpbusd` takes.
+//   Q4_0_R16 288 B (16 x 18), Q5_0_R16 352 B (16 x 22), Q8_0_R16 544 B (16 x 34) per block of 32
+//   values, tail rows as Q4_0 / Q5_0 / Q8_0:
+//     [0, 32)      d[j] (f16)
+//     Q4_0, Q5_0:  [32, 288) qs: byte 64c + 4j + i: low nibble = value 4c + i, high nibble = value
+//                  16 + 4c + i of column j (c = 0..3); Q5_0 then [288, 352): 8 little-endian u64
+//                  masks, mask 2c + h bit 4j + i = the 5th bit of value 16h + 4c + i of column j
+//     Q8_0:        [32, 544) qs: byte 64t + 4j + i = value 4t + i of column j plus 128 (t = 0..7)
+// The values are unsigned (0..15, 0..31, 0..63, 0..255: Q4_0's -8, Q5_0's -16, Q6_K's -32 and
+// Q8_0's -128 are applied with the activation sums), which is the operand order `vpdpbusd` takes.
 //
 // Activations: each row is rounded on its own (so a row's result never depends on its batch),
 // per group of 16 values whatever the weight format: d = max|x| / 127 and q = nearbyint(x / d) in
@@ -57,8 +64,9 @@
 //   [q: K int8, in the variant's QOrder]
 //   [d: K/4 float: for each 4 bytes of q in their stored order, the scale of their group, so a
 //    SIMD lane of 4 products loads its own scale]
-//   [K-quants only: dsums16: K/16 float, d * (sum of q) per group of 16 (Q6_K's -32);
-//    dsums32: K/32 float, the same per 32 values (the Q4_K / Q5_K mins)]; see ActLayout.
+//   [dsums16: K/16 float, d * (sum of q) per group of 16 (Q6_K's -32);
+//    dsums32: K/32 float, the same per 32 values (the Q4_K / Q5_K mins, the 32-value formats'
+//    offsets in the *_R16 layouts)]; see ActLayout.
 // Every integer product of a weight block and an activation block is exact in int32; variants
 // differ only in the order their float accumulation adds the blocks' products.
 //
@@ -73,7 +81,7 @@ namespace specserve::gguf {
 
 // GGML's type ids, the numbers the file and gguf-py use.
 enum QType : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_K_X = 1012,
-             Q4_K_R16 = 1013, Q6_K_R16 = 1014 };
+             Q4_K_R16 = 1013, Q6_K_R16 = 1014, Q4_0_R16 = 1015, Q5_0_R16 = 1016, Q8_0_R16 = 1017 };
 
 struct Format {
   int block_values;  // weights per block
@@ -91,20 +99,50 @@ static inline bool format_of(int qtype, Format* out) {
     case Q4_K_X: *out = {256, 148}; return true;
     case Q4_K_R16: *out = {256, 148}; return true;
     case Q6_K_R16: *out = {256, 210}; return true;
+    case Q4_0_R16: *out = {32, 18}; return true;
+    case Q5_0_R16: *out = {32, 22}; return true;
+    case Q8_0_R16: *out = {32, 34}; return true;
     default: return false;
   }
 }
 
 constexpr int kGroupRows = 16;  // weight rows interleaved by the *_R16 layouts
 
-static inline bool is_rows16(int qtype) { return qtype == Q4_K_R16 || qtype == Q6_K_R16; }
+static constexpr bool is_rows16_32(int qtype) { return qtype == Q4_0_R16 || qtype == Q5_0_R16 || qtype == Q8_0_R16; }
+
+static constexpr bool is_rows16(int qtype) { return qtype == Q4_K_R16 || qtype == Q6_K_R16 || is_rows16_32(qtype); }
 
 static inline bool is_k_quant(int qtype) {
   return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == Q4_K_X || is_rows16(qtype);
 }
 
 // The form of a row-interleaved type's last N % 16 rows.
-static inline int rows16_tail(int qtype) { return qtype == Q4_K_R16 ? Q4_K_X : Q6_K; }
+static constexpr int rows16_tail(int qtype) {
+  switch (qtype) {
+    case Q4_K_R16: return Q4_K_X;
+    case Q6_K_R16: return Q6_K;
+    case Q4_0_R16: return Q4_0;
+    case Q5_0_R16: return Q5_0;
+    default: return Q8_0;
+  }
+}
+
+// The row-interleaved type of a file type, or 0 where it has none.
+static inline int rows16_of(int qtype) {
+  switch (qtype) {
+    case Q4_K: return Q4_K_R16;
+    case Q6_K: return Q6_K_R16;
+    case Q4_0: return Q4_0_R16;
+    case Q5_0: return Q5_0_R16;
+    case Q8_0: return Q8_0_R16;
+    default: return 0;
+  }
+}
+
+// What a 32-value format's unsigned values are offset by (w = d * (q - offset)).
+static constexpr int q32_offset(int qtype) {
+  return qtype == Q4_0 || qtype == Q4_0_R16 ? 8 : qtype == Q5_0 || qtype == Q5_0_R16 ? 16 : 128;
+}
 
 // Q4_K_X: the super-block value that zmm k (0..3) holds at byte p (0..63): lane p / 4 belongs
 // to group of 16 p / 4 (sub-block p / 8), and the four zmm split each group's 16 values 4 apiece.
@@ -135,6 +173,29 @@ static inline float half_to_float(const uint8_t* p) {
   return out;
 }
 
+// Column j of one Q4_0_R16 / Q5_0_R16 / Q8_0_R16 block: its 32 values unsigned, and d.
+static inline void unpack_32_r16(int qtype, const uint8_t* block, int j, uint8_t q[32], float* d) {
+  *d = half_to_float(block + 2 * j);
+  if (qtype == Q8_0_R16) {
+    for (int t = 0; t < 8; ++t) std::memcpy(q + 4 * t, block + 32 + 64 * t + 4 * j, 4);
+    return;
+  }
+  for (int c = 0; c < 4; ++c) {
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t byte = block[32 + 64 * c + 4 * j + i];
+      q[4 * c + i] = byte & 15;
+      q[16 + 4 * c + i] = byte >> 4;
+    }
+  }
+  if (qtype != Q5_0_R16) return;
+  for (int m = 0; m < 8; ++m) {
+    uint64_t mask;
+    std::memcpy(&mask, block + 288 + 8 * m, 8);
+    const int c = m / 2, h = m % 2;
+    for (int i = 0; i < 4; ++i) q[16 * h + 4 * c + i] |= uint8_t(((mask >> (4 * j + i)) & 1) << 4);
+  }
+}
+
 // Q4_K / Q5_K's 12 bytes -> 8 scales (bytes 0-7 of `out`) and 8 mins (bytes 8-15).
 // Bytes 0-3 hold sc[0..3] in their low 6 bits and the top 2 bits of sc[4..7]; bytes 4-7 the same
 // for the mins; bytes 8-11 the low 4 bits of sc[4..7] (low nibble) and of m[4..7] (high nibble).
@@ -156,8 +217,8 @@ static inline void k_scales_mins(const uint8_t* packed, uint8_t out[16]) {
 struct ActRow {
   const int8_t* q;        // [K]
   const float* d;         // [K / 4]: the group's scale for each 4 values of q (in q's order)
-  const float* dsums16;   // [K / 16], K-quants only: d * (sum of q) per 16 values
-  const float* dsums32;   // [K / 32], K-quants only: d * (sum of q) per 32 values
+  const float* dsums16;   // [K / 16]: d * (sum of q) per 16 values
+  const float* dsums32;   // [K / 32]: d * (sum of q) per 32 values
 };
 
 // `q_order` lets a variant read a K-quant super-block's activations in the order its unpacked
@@ -175,8 +236,8 @@ struct ActLayout {
   ActLayout(int64_t k_, bool k_quant_, QOrder order) : k(k_), k_quant(k_quant_), q_order(order) {
     d_offset = k;
     dsums16_offset = d_offset + k;  // K / 4 floats
-    dsums32_offset = dsums16_offset + (k_quant ? k / 16 * 4 : 0);
-    const int64_t end = dsums32_offset + (k_quant ? k / 32 * 4 : 0);
+    dsums32_offset = dsums16_offset + k / 16 * 4;
+    const int64_t end = dsums32_offset + k / 32 * 4;
     row_bytes = (end + 63) / 64 * 64;  // rows start 64-byte aligned
   }
 
@@ -216,6 +277,7 @@ struct Variant {
   const char* name;
   TileKernel q4_0, q5_0, q8_0, q4_k, q5_k, q6_k, q4_k_x;
   TileKernel q4_k_r16, q6_k_r16;  // full groups only: the op sends a tail group to the reference
+  TileKernel q4_0_r16, q5_0_r16, q8_0_r16;
   QOrder q4_k_order, q4_k_x_order;  // how its Q4_K / Q5_K and Q4_K_X kernels want the activations
   void (*dequantize_row)(int qtype, const uint8_t* row, int64_t blocks, float* out);
   // a full group of 16 rows of a *_R16 type to floats [16, 256 * blocks]
@@ -232,6 +294,9 @@ struct Variant {
       case Q4_K_X: return q4_k_x;
       case Q4_K_R16: return q4_k_r16;
       case Q6_K_R16: return q6_k_r16;
+      case Q4_0_R16: return q4_0_r16;
+      case Q5_0_R16: return q5_0_r16;
+      case Q8_0_R16: return q8_0_r16;
       default: return nullptr;
     }
   }

@@ -97,6 +97,20 @@ void dequantize_q6_k_r16_block(const uint8_t* block, int64_t b, int64_t k, float
 
 // A full group of 16 *_R16 rows, `blocks` super-blocks each, to floats [16, k].
 void dequantize_group_impl(int qtype, const uint8_t* group, int64_t blocks, float* out) {
+  if (is_rows16_32(qtype)) {  // a block is 16 columns x 32 values
+    Format format;
+    format_of(qtype, &format);
+    const int offset = q32_offset(qtype);
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int j = 0; j < kGroupRows; ++j) {
+        uint8_t q[32];
+        float d;
+        unpack_32_r16(qtype, group + b * kGroupRows * format.block_bytes, j, q, &d);
+        for (int i = 0; i < 32; ++i) out[j * 32 * blocks + 32 * b + i] = d * float(int(q[i]) - offset);
+      }
+    }
+    return;
+  }
   const int64_t k = 256 * blocks;
   for (int64_t b = 0; b < blocks; ++b) {
     if (qtype == Q4_K_R16) dequantize_q4_k_r16_block(group + b * 16 * 148, b, k, out);

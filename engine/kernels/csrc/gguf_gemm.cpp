@@ -81,6 +81,9 @@ const char* type_name(int64_t qtype) {
     case Q4_K_X: return "Q4_K_X";
     case Q4_K_R16: return "Q4_K_R16";
     case Q6_K_R16: return "Q6_K_R16";
+    case Q4_0_R16: return "Q4_0_R16";
+    case Q5_0_R16: return "Q5_0_R16";
+    case Q8_0_R16: return "Q8_0_R16";
     default: return "an unsupported type";
   }
 }
@@ -190,19 +193,25 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks_in, int64_t qtype) {
 
 namespace {
 
-// The variants whose kernels multiply the row-interleaved *_R16 layouts.
-bool runs_rows16(const std::string& variant) {
-  return variant == "avx512vnni" || variant == "avxvnni" || variant == "avx2";
+// Whether `variant` multiplies `qtype` (a file type) fastest in its row-interleaved layout: the
+// K-quants for every SIMD variant, the 32-value formats for AVX512-VNNI (the 256-bit variants
+// keep them per row).
+bool runs_rows16(const std::string& variant, int64_t qtype) {
+  if (qtype == Q4_K || qtype == Q6_K) return variant == "avx512vnni" || variant == "avxvnni" || variant == "avx2";
+  return rows16_of(int(qtype)) != 0 && variant == "avx512vnni";
 }
 
-// Q4_K / Q6_K rows to Q4_K_R16 / Q6_K_R16: full groups of 16 interleaved, the tail per row.
+// Rows of a file type to its *_R16 layout: full groups of 16 interleaved, the tail per row.
 at::Tensor pack_rows16_matrix(const at::Tensor& blocks, int64_t qtype) {
-  const int64_t n = blocks.size(0), per_row = blocks.size(1) / (qtype == Q4_K ? 144 : 210);
-  const int64_t out_row_bytes = per_row * (qtype == Q4_K ? 148 : 210), groups = n / kGroupRows;
+  Format file, packed;
+  format_of(int(qtype), &file);
+  format_of(rows16_of(int(qtype)), &packed);
+  const int64_t n = blocks.size(0), per_row = blocks.size(1) / file.block_bytes;
+  const int64_t out_row_bytes = per_row * packed.block_bytes, groups = n / kGroupRows;
   at::Tensor out = at::empty({n, out_row_bytes}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t block_bytes = kGroupRows * out_row_bytes / per_row;
+  const int64_t block_bytes = kGroupRows * packed.block_bytes;
   at::parallel_for(0, groups * per_row, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = i / per_row, b = i % per_row;
@@ -210,11 +219,11 @@ at::Tensor pack_rows16_matrix(const at::Tensor& blocks, int64_t qtype) {
                   dst + g * kGroupRows * out_row_bytes + b * block_bytes);
     }
   });
-  for (int64_t row = groups * kGroupRows; row < n; ++row) {  // the tail, as Q4_K_X / Q6_K
+  for (int64_t row = groups * kGroupRows; row < n; ++row) {  // the tail, in the tail's form
     for (int64_t b = 0; b < per_row; ++b) {
-      const uint8_t* block = src + row * blocks.size(1) + b * (qtype == Q4_K ? 144 : 210);
-      uint8_t* target = dst + row * out_row_bytes + b * (qtype == Q4_K ? 148 : 210);
-      if (qtype == Q4_K) pack_q4_k_x(block, target); else std::memcpy(target, block, 210);
+      const uint8_t* block = src + row * blocks.size(1) + b * file.block_bytes;
+      uint8_t* target = dst + row * out_row_bytes + b * packed.block_bytes;
+      if (qtype == Q4_K) pack_q4_k_x(block, target); else std::memcpy(target, block, file.block_bytes);
     }
   }
   return out;
@@ -234,8 +243,9 @@ at::Tensor pack_q4_k_x_matrix(const at::Tensor& blocks) {
 }  // namespace
 
 // The blocks in the layout `variant` (default: the best here) multiplies fastest, and their type.
-// layout "" is that best: Q4_K and Q6_K become Q4_K_R16 and Q6_K_R16 for every SIMD variant; "tiles"
-// keeps the per-row layouts (Q4_K_X for avx512vnni); "rows16" asks for the interleaved ones.
+// layout "" is that best: Q4_K and Q6_K become Q4_K_R16 and Q6_K_R16 for every SIMD variant, Q4_0,
+// Q5_0 and Q8_0 their *_R16 layouts for avx512vnni; "tiles" keeps the per-row layouts (Q4_K_X for
+// avx512vnni); "rows16" asks for the interleaved ones.
 // Other types come back as they are.
 std::tuple<at::Tensor, int64_t> gguf_pack(const at::Tensor& blocks_in, int64_t qtype, const std::string& variant_name,
                                           const std::string& layout) {
@@ -244,10 +254,8 @@ std::tuple<at::Tensor, int64_t> gguf_pack(const at::Tensor& blocks_in, int64_t q
               "' is none of \"\", \"tiles\", \"rows16\"");
   const std::string name = variant_name.empty() ? variants().front().name : variant_name;
   const at::Tensor blocks = blocks_in.contiguous();
-  const bool rows16 = layout == "rows16" || (layout.empty() && runs_rows16(name));
-  if (rows16 && (qtype == Q4_K || qtype == Q6_K)) {
-    return {pack_rows16_matrix(blocks, qtype), qtype == Q4_K ? int64_t(Q4_K_R16) : int64_t(Q6_K_R16)};
-  }
+  const bool rows16 = layout == "rows16" || (layout.empty() && runs_rows16(name, qtype));
+  if (rows16 && rows16_of(int(qtype)) != 0) return {pack_rows16_matrix(blocks, qtype), int64_t(rows16_of(int(qtype)))};
   if (qtype == Q4_K && name == "avx512vnni") return {pack_q4_k_x_matrix(blocks), int64_t(Q4_K_X)};
   return {blocks_in, qtype};
 }

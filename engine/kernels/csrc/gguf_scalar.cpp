@@ -196,16 +196,32 @@ void k_tile(const TileArgs& a) {
   }
 }
 
+// Block b of weight row n of a 32-value type (file or *_R16 layout) as signed values and d.
+template <int QType>
+void unpack_32_at(const TileArgs& a, int64_t n, int64_t b, int8_t q[32], float* d) {
+  if constexpr (is_rows16_32(QType)) {
+    constexpr int block_bytes = QType == Q8_0_R16 ? 34 : QType == Q5_0_R16 ? 22 : 18;
+    if (a.n_end - a.n_begin != kGroupRows) {  // a tail row, stored as the file's
+      return unpack_32(rows16_tail(QType), a.weights + n * a.weight_row_bytes + b * block_bytes, q, d);
+    }
+    uint8_t u[32];
+    unpack_32_r16(QType, a.weights + a.n_begin * a.weight_row_bytes + b * kGroupRows * block_bytes,
+                  int(n - a.n_begin), u, d);
+    for (int i = 0; i < 32; ++i) q[i] = int8_t(int(u[i]) - q32_offset(QType));
+  } else {
+    constexpr int block_bytes = QType == Q8_0 ? 34 : QType == Q5_0 ? 22 : 18;
+    unpack_32(QType, a.weights + n * a.weight_row_bytes + b * block_bytes, q, d);
+  }
+}
+
 template <int QType>
 void tile_32(const TileArgs& a) {
-  const int block_bytes = QType == Q8_0 ? 34 : QType == Q5_0 ? 22 : 18;
   for (int64_t n = a.n_begin; n < a.n_end; ++n) {
-    const uint8_t* row = a.weights + n * a.weight_row_bytes;
-    float acc[kMaxRows] = {};
+    float acc[kMaxRows16] = {};
     for (int64_t b = 0; b < a.blocks; ++b) {
       int8_t q[32];
       float d;
-      unpack_32(QType, row + b * block_bytes, q, &d);
+      unpack_32_at<QType>(a, n, b, q, &d);
       for (int r = 0; r < a.rows; ++r) {
         const int8_t* x = a.acts[r].q + 32 * b;
         int32_t low = 0, high = 0;  // the block's two groups of 16
@@ -299,7 +315,35 @@ void pack_q6_k_r16_column(const uint8_t* file_block, const KBlock& w, int j, uin
 
 }  // namespace
 
+namespace {
+
+// Block b of 16 Q4_0 / Q5_0 / Q8_0 rows to one *_R16 block (the inverse of unpack_32_r16).
+void pack_rows16_32(int qtype, const uint8_t* rows, int64_t row_bytes, int64_t b, uint8_t* out) {
+  const int block_bytes = qtype == Q8_0 ? 34 : qtype == Q5_0 ? 22 : 18, offset = q32_offset(qtype);
+  std::memset(out, 0, size_t(kGroupRows) * block_bytes);
+  for (int j = 0; j < kGroupRows; ++j) {
+    const uint8_t* block = rows + j * row_bytes + b * block_bytes;
+    int8_t q[32];
+    float d;
+    unpack_32(qtype, block, q, &d);
+    std::memcpy(out + 2 * j, block, 2);  // d, as the file's f16
+    for (int v = 0; v < 32; ++v) {
+      const uint8_t u = uint8_t(q[v] + offset);
+      if (qtype == Q8_0) {
+        out[32 + 64 * (v / 4) + 4 * j + v % 4] = u;
+        continue;
+      }
+      const int h = v / 16, c = (v % 16) / 4, i = v % 4;
+      out[32 + 64 * c + 4 * j + i] |= uint8_t((u & 15) << (4 * h));
+      if (qtype == Q5_0 && (u & 16)) out[288 + 8 * (2 * c + h) + (4 * j + i) / 8] |= uint8_t(1 << ((4 * j + i) % 8));
+    }
+  }
+}
+
+}  // namespace
+
 void pack_rows16(int qtype, const uint8_t* rows, int64_t row_bytes, int64_t b, uint8_t* out) {
+  if (qtype == Q4_0 || qtype == Q5_0 || qtype == Q8_0) return pack_rows16_32(qtype, rows, row_bytes, b, out);
   const int block_bytes = qtype == Q4_K ? 144 : 210;
   for (int j = 0; j < kGroupRows; ++j) {
     const uint8_t* block = rows + j * row_bytes + b * block_bytes;
@@ -313,6 +357,22 @@ void pack_rows16(int qtype, const uint8_t* rows, int64_t row_bytes, int64_t b, u
 void dequantize_rows16_row(int qtype, const uint8_t* weights, int64_t row_bytes, int64_t n_total, int64_t n,
                            float* out) {
   const bool full_group = n < n_total / kGroupRows * kGroupRows;
+  if (is_rows16_32(qtype)) {
+    Format format;
+    format_of(qtype, &format);
+    const uint8_t* group = weights + n / kGroupRows * kGroupRows * row_bytes;
+    for (int64_t b = 0; b < row_bytes / format.block_bytes; ++b) {
+      if (!full_group) {
+        dequantize_block(rows16_tail(qtype), weights + n * row_bytes + b * format.block_bytes, out + 32 * b);
+        continue;
+      }
+      uint8_t q[32];
+      float d;
+      unpack_32_r16(qtype, group + b * kGroupRows * format.block_bytes, int(n % kGroupRows), q, &d);
+      for (int i = 0; i < 32; ++i) out[32 * b + i] = d * float(int(q[i]) - q32_offset(qtype));
+    }
+    return;
+  }
   for (int64_t b = 0; b < row_bytes / (qtype == Q4_K_R16 ? 148 : 210); ++b) {
     KBlock w;
     unpack_rows16(qtype, weights, row_bytes, full_group, n, b, &w);
@@ -356,10 +416,8 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row, float* 
       if (residual != nullptr) residual[16 * g + i] = xg[i] - d * float(q[16 * g + i]);
     }
     for (int i = 0; i < 4; ++i) d_out[4 * g + i] = d;
-    if (layout.k_quant) {
-      dsums16[g] = d * float(sum);
-      if (g % 2 == 1) dsums32[g / 2] = dsums16[g - 1] + dsums16[g];
-    }
+    dsums16[g] = d * float(sum);
+    if (g % 2 == 1) dsums32[g / 2] = dsums16[g - 1] + dsums16[g];
   }
   if (!layout.k_quant || layout.q_order == kNatural) return;
   for (int64_t b = 0; b < layout.k / 256; ++b) {  // q and d to the variant's order
@@ -374,6 +432,7 @@ Variant scalar_variant() {
   return {"scalar",     tile_32<Q4_0>, tile_32<Q5_0>, tile_32<Q8_0>,
           k_tile<Q4_K>, k_tile<Q5_K>,   k_tile<Q6_K>, k_tile<Q4_K_X>,
           k_tile<Q4_K_R16>, k_tile<Q6_K_R16>,
+          tile_32<Q4_0_R16>, tile_32<Q5_0_R16>, tile_32<Q8_0_R16>,
           kNatural,     kNatural,       dequantize_row_impl, dequantize_group_impl};
 }
 

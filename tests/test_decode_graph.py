@@ -22,7 +22,8 @@ TABLE = list(range(8))  # 128 tokens of context, blocks 0-7
 
 
 # float32, float weights: the graph computes what the eager layers do, to float32's rounding.
-# bf16, w8a8-fast: the draft's production setting, fbgemm's GEMM through the custom op. bf16
+# bf16, w8a8-fast: a draft setting with fbgemm's GEMM through the custom op (compiling is off by
+# default since the fused native ops made it no faster; it stays an option). bf16
 # rounds at other points in the fused graph, and the 7-bit activation grid turns some of those
 # differences into whole steps: on this random tiny model the logits land 4-10% apart (an
 # unrelated output is ~140% away), so close, not equal.

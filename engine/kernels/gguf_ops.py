@@ -28,7 +28,7 @@ FILE_FORMATS: dict[int, tuple[int, int]] = {
 Q4_K_X = 1012  # Q4_K repacked per row at load for the AVX512-VNNI tiles (never in a file)
 Q4_K_R16 = 1013  # Q4_K / Q6_K with 16 rows interleaved at load (gguf_blocks.h; never in a file)
 Q6_K_R16 = 1014
-Q4_0_R16, Q5_0_R16, Q8_0_R16 = 1015, 1016, 1017  # the 32-value formats interleaved (avx512vnni)
+Q4_0_R16, Q5_0_R16, Q8_0_R16 = 1015, 1016, 1017  # the 32-value formats interleaved
 FORMATS = {
     **FILE_FORMATS,
     Q4_K_X: (256, 148),
@@ -66,7 +66,8 @@ def pack(
 ) -> tuple[torch.Tensor, int]:
     """The blocks in the layout the variant (default: the best here) runs fastest, and its type
     id: Q4_K and Q6_K get 16 rows interleaved for every SIMD variant (Q4_K_R16 +3% bytes,
-    Q6_K_R16), Q4_0 / Q5_0 / Q8_0 for AVX512-VNNI (same bytes); other types come back unchanged. `layout` "tiles" keeps the per-row layouts (Q4_K_X for
+    Q6_K_R16), Q4_0 / Q5_0 / Q8_0 too (same bytes; Q8_0 not for plain AVX2); other types come
+    back unchanged. `layout` "tiles" keeps the per-row layouts (Q4_K_X for
     AVX512-VNNI) and "rows16" asks for the interleaved ones: for tests and benchmarks."""
     if not available():
         raise RuntimeError("the native kernels are not available here")

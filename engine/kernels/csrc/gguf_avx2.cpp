@@ -200,8 +200,9 @@ void tile_32(const TileArgs& a) {
 Variant avx2_variant() {
   return {"avx2",          tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
           q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     nullptr,
-          rows16_tile<false, false>, rows16_tile<true, false>,
-          nullptr,         nullptr,          nullptr,  // the 32-value formats stay per row here
+          rows16_tile<Q4_K_R16, false>, rows16_tile<Q6_K_R16, false>,
+          rows16_tile<Q4_0_R16, false>, rows16_tile<Q5_0_R16, false>,
+          nullptr,  // Q8_0 stays per row: its values past 127 overflow vpmaddubsw's pairs
           kNatural,         kNatural,        dequantize_row_impl, dequantize_group_impl};
 }
 

@@ -13,8 +13,11 @@ namespace specserve::gguf {
 Variant avxvnni_variant() {
   Variant v = avx2_variant();
   v.name = "avxvnni";
-  v.q4_k_r16 = rows16_tile<false, true>;
-  v.q6_k_r16 = rows16_tile<true, true>;
+  v.q4_k_r16 = rows16_tile<Q4_K_R16, true>;
+  v.q6_k_r16 = rows16_tile<Q6_K_R16, true>;
+  v.q4_0_r16 = rows16_tile<Q4_0_R16, true>;
+  v.q5_0_r16 = rows16_tile<Q5_0_R16, true>;
+  v.q8_0_r16 = rows16_tile<Q8_0_R16, true>;
   return v;
 }
 

@@ -193,12 +193,12 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks_in, int64_t qtype) {
 
 namespace {
 
-// Whether `variant` multiplies `qtype` (a file type) fastest in its row-interleaved layout: the
-// K-quants for every SIMD variant, the 32-value formats for AVX512-VNNI (the 256-bit variants
-// keep them per row).
+// Whether `variant` multiplies `qtype` (a file type) in its row-interleaved layout: every SIMD
+// variant does, except plain AVX2 for Q8_0 (values past 127 overflow `vpmaddubsw`'s pairs).
 bool runs_rows16(const std::string& variant, int64_t qtype) {
-  if (qtype == Q4_K || qtype == Q6_K) return variant == "avx512vnni" || variant == "avxvnni" || variant == "avx2";
-  return rows16_of(int(qtype)) != 0 && variant == "avx512vnni";
+  if (rows16_of(int(qtype)) == 0) return false;
+  if (variant == "avx2") return qtype != Q8_0;
+  return variant == "avx512vnni" || variant == "avxvnni";
 }
 
 // Rows of a file type to its *_R16 layout: full groups of 16 interleaved, the tail per row.

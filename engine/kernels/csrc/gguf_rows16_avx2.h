@@ -131,21 +131,88 @@ void q6_k_r16_half(const uint8_t* block, int h, int64_t b, const ActRow* acts, _
   for (int r = 0; r < Rows; ++r) acc[2 * r + h] = _mm256_fmadd_ps(scaled[r], d, acc[2 * r + h]);
 }
 
-// One group of 16 columns x Rows rows: the two 8-column halves of each super-block in turn.
-template <int Rows, bool Q6, bool Vnni>
+// The 32-value formats' 5th bits for columns 8h .. 8h + 7: bit 4(j - 8h) + i of `bits` to a
+// byte of 0x10 where set.
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i picks = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, picks), picks), _mm256_set1_epi8(0x10));
+}
+
+// w[0..3] . x[0..15] per column, int32, no scale: `vpdpbusd`, or `vpmaddubsw` pairs (two steps
+// summed in int16: 2 * 2 * 31 * 127 = 15748 at most, so Q4_0 and Q5_0 only) widened by ones.
+template <bool Vnni>
+inline __m256i dot16_plain(const __m256i* w, const int8_t* x) {
+  if constexpr (Vnni) {
+    __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], broadcast4(x));
+    for (int t = 1; t < 4; ++t) dot = _mm256_dpbusd_avx_epi32(dot, w[t], broadcast4(x + 4 * t));
+    return dot;
+  } else {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], broadcast4(x)),
+                                           _mm256_maddubs_epi16(w[1], broadcast4(x + 4)));
+    const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], broadcast4(x + 8)),
+                                            _mm256_maddubs_epi16(w[3], broadcast4(x + 12)));
+    return _mm256_add_epi32(_mm256_madd_epi16(first, ones), _mm256_madd_epi16(second, ones));
+  }
+}
+
+// Columns 8h .. 8h + 7 of one Q4_0_R16 / Q5_0_R16 / Q8_0_R16 block (Q8_0 with AVX-VNNI only: its
+// values reach 255, past `vpmaddubsw`'s int16 pairs), for Rows rows, added into acc.
+template <int Rows, int QType, bool Vnni>
+void q32_r16_half(const uint8_t* block, int h, int64_t b, const ActRow* acts, __m256* acc) {
+  static_assert(Vnni || QType != Q8_0_R16, "Q8_0_R16 needs vpdpbusd");
+  __m256i w[8];  // w[t]: values 4t .. 4t + 3 of the 8 columns
+  if constexpr (QType == Q8_0_R16) {
+    for (int t = 0; t < 8; ++t) w[t] = load_ymm(block + 32 + 64 * t + 32 * h);
+  } else {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = load_ymm(block + 32 + 64 * c + 32 * h);
+      w[c] = _mm256_and_si256(v, nibble);
+      w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    }
+    if constexpr (QType == Q5_0_R16) {
+      for (int m = 0; m < 8; ++m) {
+        uint32_t bits;
+        std::memcpy(&bits, block + 288 + 8 * m + 4 * h, 4);
+        __m256i& target = w[m / 2 + 4 * (m % 2)];
+        target = _mm256_or_si256(target, fifth_bits(bits));
+      }
+    }
+  }
+  const __m256 d = load_halves(block + 16 * h);
+  const __m256 offset = _mm256_set1_ps(float(q32_offset(QType)));
+  for (int r = 0; r < Rows; ++r) {
+    const int8_t* x = acts[r].q + 32 * b;
+    const float* xd = acts[r].d + 8 * b;  // the block's groups of 16: xd[0], xd[4]
+    __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(dot16_plain<Vnni>(w, x)), _mm256_set1_ps(xd[0]));
+    sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_plain<Vnni>(w + 4, x + 16)), _mm256_set1_ps(xd[4]), sum);
+    sum = _mm256_fnmadd_ps(offset, _mm256_set1_ps(acts[r].dsums32[b]), sum);
+    acc[2 * r + h] = _mm256_fmadd_ps(sum, d, acc[2 * r + h]);
+  }
+}
+
+// One group of 16 columns x Rows rows: the two 8-column halves of each block in turn.
+template <int Rows, int QType, bool Vnni>
 void rows16_group(const TileArgs& a) {
   const uint8_t* group = a.weights + a.n_begin * a.weight_row_bytes;
   __m256 acc[2 * Rows];  // [row][half]
   for (int i = 0; i < 2 * Rows; ++i) acc[i] = _mm256_setzero_ps();
-  constexpr int block_bytes = Q6 ? 16 * 210 : 16 * 148;
+  Format format;
+  format_of(QType, &format);
+  const int block_bytes = kGroupRows * format.block_bytes;
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* block = group + b * block_bytes;
-    // the super-block two ahead (past a group's end, the next group's): the hardware
-    // prefetchers stop at each 4 KiB page
+    // the block two ahead (past a group's end, the next group's): the hardware prefetchers
+    // stop at each 4 KiB page
     for (int l = 0; l < block_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(block + 2 * block_bytes + l), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
-      if (Q6) q6_k_r16_half<Rows, Vnni>(block, h, b, a.acts, acc);
-      else q4_k_r16_half<Rows, Vnni>(block, h, b, a.acts, acc);
+      if constexpr (QType == Q6_K_R16) q6_k_r16_half<Rows, Vnni>(block, h, b, a.acts, acc);
+      else if constexpr (QType == Q4_K_R16) q4_k_r16_half<Rows, Vnni>(block, h, b, a.acts, acc);
+      else q32_r16_half<Rows, QType, Vnni>(block, h, b, a.acts, acc);
     }
   }
   for (int r = 0; r < Rows; ++r) {
@@ -154,7 +221,7 @@ void rows16_group(const TileArgs& a) {
 }
 
 // The row count as a template argument; more than 8 rows (16 ymm registers) go 8 at a time.
-template <bool Q6, bool Vnni>
+template <int QType, bool Vnni>
 void rows16_tile(const TileArgs& a) {
   if (a.rows > kMaxRows) {
     TileArgs first = a, rest = a;
@@ -162,18 +229,18 @@ void rows16_tile(const TileArgs& a) {
     rest.rows = a.rows - kMaxRows;
     rest.acts = a.acts + kMaxRows;
     rest.out = a.out + kMaxRows * a.out_stride;
-    rows16_tile<Q6, Vnni>(first);
-    return rows16_tile<Q6, Vnni>(rest);
+    rows16_tile<QType, Vnni>(first);
+    return rows16_tile<QType, Vnni>(rest);
   }
   switch (a.rows) {
-    case 1: return rows16_group<1, Q6, Vnni>(a);
-    case 2: return rows16_group<2, Q6, Vnni>(a);
-    case 3: return rows16_group<3, Q6, Vnni>(a);
-    case 4: return rows16_group<4, Q6, Vnni>(a);
-    case 5: return rows16_group<5, Q6, Vnni>(a);
-    case 6: return rows16_group<6, Q6, Vnni>(a);
-    case 7: return rows16_group<7, Q6, Vnni>(a);
-    default: return rows16_group<8, Q6, Vnni>(a);
+    case 1: return rows16_group<1, QType, Vnni>(a);
+    case 2: return rows16_group<2, QType, Vnni>(a);
+    case 3: return rows16_group<3, QType, Vnni>(a);
+    case 4: return rows16_group<4, QType, Vnni>(a);
+    case 5: return rows16_group<5, QType, Vnni>(a);
+    case 6: return rows16_group<6, QType, Vnni>(a);
+    case 7: return rows16_group<7, QType, Vnni>(a);
+    default: return rows16_group<8, QType, Vnni>(a);
   }
 }
 

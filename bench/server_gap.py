@@ -79,7 +79,7 @@ def through_server(args: argparse.Namespace, prompt: list[int]) -> list[float]:
         proc = subprocess.Popen(serve_args(args, port), stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, proc, log_path, timeout_s=1800)
+            wait_healthy(f"{url}/health", proc, log_path, timeout_s=1800)
             return [streamed_rate(url, prompt, args.max_tokens) for _ in range(args.repeats + 1)][
                 1:
             ]

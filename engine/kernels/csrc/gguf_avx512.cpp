@@ -415,7 +415,7 @@ void q32_r16_group(const TileArgs& a) {
           uint64_t bits;
           std::memcpy(&bits, block + 288 + 8 * m, 8);
           __m512i& target = w[m / 2 + 4 * (m % 2)];
-          target = _mm512_mask_or_epi32(target, 0xFFFF, target, _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), fifth));
+          target = _mm512_or_si512(target, _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), fifth));
         }
       }
     }

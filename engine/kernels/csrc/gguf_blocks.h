@@ -196,6 +196,14 @@ static inline void unpack_32_r16(int qtype, const uint8_t* block, int j, uint8_t
   }
 }
 
+// Column j of one Q4_0_R16 / Q5_0_R16 / Q8_0_R16 block to its 32 floats, d * (q - offset).
+static inline void dequantize_32_r16(int qtype, const uint8_t* block, int j, float out[32]) {
+  uint8_t q[32];
+  float d;
+  unpack_32_r16(qtype, block, j, q, &d);
+  for (int i = 0; i < 32; ++i) out[i] = d * float(int(q[i]) - q32_offset(qtype));
+}
+
 // Q4_K / Q5_K's 12 bytes -> 8 scales (bytes 0-7 of `out`) and 8 mins (bytes 8-15).
 // Bytes 0-3 hold sc[0..3] in their low 6 bits and the top 2 bits of sc[4..7]; bytes 4-7 the same
 // for the mins; bytes 8-11 the low 4 bits of sc[4..7] (low nibble) and of m[4..7] (high nibble).

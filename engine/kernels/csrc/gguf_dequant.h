@@ -100,13 +100,9 @@ void dequantize_group_impl(int qtype, const uint8_t* group, int64_t blocks, floa
   if (is_rows16_32(qtype)) {  // a block is 16 columns x 32 values
     Format format;
     format_of(qtype, &format);
-    const int offset = q32_offset(qtype);
     for (int64_t b = 0; b < blocks; ++b) {
       for (int j = 0; j < kGroupRows; ++j) {
-        uint8_t q[32];
-        float d;
-        unpack_32_r16(qtype, group + b * kGroupRows * format.block_bytes, j, q, &d);
-        for (int i = 0; i < 32; ++i) out[j * 32 * blocks + 32 * b + i] = d * float(int(q[i]) - offset);
+        dequantize_32_r16(qtype, group + b * kGroupRows * format.block_bytes, j, out + j * 32 * blocks + 32 * b);
       }
     }
     return;

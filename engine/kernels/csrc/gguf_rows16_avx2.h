@@ -36,21 +36,28 @@ inline __m256 load_halves(const uint8_t* p) {  // 8 f16 -> 8 floats
 
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
+// w[0..3] . x[0..15] per column, int32, by AVX-VNNI's `vpdpbusd`.
+inline __m256i vnni_dot16(const __m256i* w, const int8_t* x) {
+  __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], broadcast4(x));
+  for (int t = 1; t < 4; ++t) dot = _mm256_dpbusd_avx_epi32(dot, w[t], broadcast4(x + 4 * t));
+  return dot;
+}
+
+// scale * (w[0..3] . x[0..15]) per column, int32, by `vpmaddubsw` pairs: two steps summed in int16
+// (at most 2 * 2 * 63 * 127 = 32004) before `vpmaddwd` by the scale held in both int16 halves.
+inline __m256i pairs_dot16(const __m256i* w, const int8_t* x, __m256i scale_pairs) {
+  const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], broadcast4(x)),
+                                         _mm256_maddubs_epi16(w[1], broadcast4(x + 4)));
+  const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], broadcast4(x + 8)),
+                                          _mm256_maddubs_epi16(w[3], broadcast4(x + 12)));
+  return _mm256_add_epi32(_mm256_madd_epi16(first, scale_pairs), _mm256_madd_epi16(second, scale_pairs));
+}
+
 // scale * (w[0..3] . x) per column, int32: 4 x 4 values of 8 columns times 16 activations.
 template <bool Vnni>
 inline __m256i dot16(const __m256i* w, const int8_t* x, __m256i scale_pairs, __m256i scale32) {
-  if constexpr (Vnni) {
-    __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], broadcast4(x));
-    for (int t = 1; t < 4; ++t) dot = _mm256_dpbusd_avx_epi32(dot, w[t], broadcast4(x + 4 * t));
-    return _mm256_mullo_epi32(dot, scale32);
-  } else {
-    // two int16 steps per `vpmaddwd`: 2 * 2 * 63 * 127 = 32004 stays below 32768
-    const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], broadcast4(x)),
-                                           _mm256_maddubs_epi16(w[1], broadcast4(x + 4)));
-    const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], broadcast4(x + 8)),
-                                            _mm256_maddubs_epi16(w[3], broadcast4(x + 12)));
-    return _mm256_add_epi32(_mm256_madd_epi16(first, scale_pairs), _mm256_madd_epi16(second, scale_pairs));
-  }
+  if constexpr (Vnni) return _mm256_mullo_epi32(vnni_dot16(w, x), scale32);
+  else return pairs_dot16(w, x, scale_pairs);
 }
 
 // Columns 8h .. 8h + 7 of one Q4_K_R16 super-block, for Rows rows, added into acc.
@@ -141,22 +148,11 @@ inline __m256i fifth_bits(uint32_t bits) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, picks), picks), _mm256_set1_epi8(0x10));
 }
 
-// w[0..3] . x[0..15] per column, int32, no scale: `vpdpbusd`, or `vpmaddubsw` pairs (two steps
-// summed in int16: 2 * 2 * 31 * 127 = 15748 at most, so Q4_0 and Q5_0 only) widened by ones.
+// w[0..3] . x[0..15] per column, int32, no scale (pairs: Q4_0 and Q5_0 only, see q32_r16_half).
 template <bool Vnni>
 inline __m256i dot16_plain(const __m256i* w, const int8_t* x) {
-  if constexpr (Vnni) {
-    __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], broadcast4(x));
-    for (int t = 1; t < 4; ++t) dot = _mm256_dpbusd_avx_epi32(dot, w[t], broadcast4(x + 4 * t));
-    return dot;
-  } else {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], broadcast4(x)),
-                                           _mm256_maddubs_epi16(w[1], broadcast4(x + 4)));
-    const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], broadcast4(x + 8)),
-                                            _mm256_maddubs_epi16(w[3], broadcast4(x + 12)));
-    return _mm256_add_epi32(_mm256_madd_epi16(first, ones), _mm256_madd_epi16(second, ones));
-  }
+  if constexpr (Vnni) return vnni_dot16(w, x);
+  else return pairs_dot16(w, x, _mm256_set1_epi16(1));
 }
 
 // Columns 8h .. 8h + 7 of one Q4_0_R16 / Q5_0_R16 / Q8_0_R16 block (Q8_0 with AVX-VNNI only: its

@@ -366,10 +366,7 @@ void dequantize_rows16_row(int qtype, const uint8_t* weights, int64_t row_bytes,
         dequantize_block(rows16_tail(qtype), weights + n * row_bytes + b * format.block_bytes, out + 32 * b);
         continue;
       }
-      uint8_t q[32];
-      float d;
-      unpack_32_r16(qtype, group + b * kGroupRows * format.block_bytes, int(n % kGroupRows), q, &d);
-      for (int i = 0; i < 32; ++i) out[32 * b + i] = d * float(int(q[i]) - q32_offset(qtype));
+      dequantize_32_r16(qtype, group + b * kGroupRows * format.block_bytes, int(n % kGroupRows), out + 32 * b);
     }
     return;
   }

@@ -10,16 +10,18 @@
 //
 // Work: one item per (request, KV head, range of blocks, tile of up to 16 queries). An item takes
 // the group's query heads of that KV head (GQA: every key is loaded once for all of them) times
-// the tile's queries as rows, walks its blocks with an online softmax in float32 (running max m,
-// sum l, output accumulator acc per row), and leaves (m, l, acc) behind. A context is split into ranges of
-// split_tokens, so that both cores work even for one request at a long context; a second pass
-// merges the ranges of each row by log-sum-exp: M = max m_s,
+// the tile's queries as rows and runs in three passes over its range (256 tokens by default):
+// every score (keys of a block loaded once for all rows), each row's softmax over the whole
+// range in float32 (its max m and sum l), then the values weighted by the probabilities (each
+// value row loaded once for a tile of up to 6 rows) into the row's accumulator acc. A context is
+// split into ranges of split_tokens, so that both cores work even for one request at a long
+// context; a second pass merges the ranges of each row by log-sum-exp: M = max m_s,
 // out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M).
 //
 // Numerics follow engine/model/attention.py's eager path: a score is the dot product rounded to
 // the cache dtype, then scaled; the softmax runs in float32. Unlike that path the
-// probabilities are not rounded to bfloat16 before multiplying V (they cannot be: the online
-// softmax never holds them normalized); the output is rounded once, at the end.
+// probabilities are not rounded to bfloat16 before multiplying V (they are not normalized until
+// the merge); the output is rounded once, at the end.
 //
 // Batch invariance: a row's arithmetic depends on its own position and context only (never on
 // the query length, the tile, the batch or the threads), so a verify row equals the decode of
@@ -50,70 +52,93 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// One row's softmax state across blocks.
+// One item's result per row: the range's max score m, the sum l of e^(s - m), and the output
+// accumulator acc = sum of e^(s - m) * v (merged over ranges afterwards).
 struct RowState {
-  float* m;    // [rows] running max
-  float* l;    // [rows] running sum of e^(s - m)
-  float* acc;  // [rows, dim] running sum of e^(s - m) * v
+  float* m;    // [rows]
+  float* l;    // [rows]
+  float* acc;  // [rows, dim]
 };
 
-// What every block kernel gets: the item's query rows and one block's keys and values, as float32.
-struct BlockArgs {
-  const float* q;          // [rows, dim]
-  const float* k;          // [nkeys, dim]
-  const float* v;          // [nkeys, dim]
-  const int64_t* visible;  // [rows] keys of this block each row sees (a prefix: 0..nkeys)
-  int64_t rows, nkeys, dim;
+// What an item's kernels read: `rows` query rows against the blocks of one range of a request's
+// context. Keys at positions < limit[r] are visible to row r (its causal limit); a block's slots
+// past its keys, and keys a row does not see, score -inf.
+template <typename T>
+struct Range {
+  const T* q;             // [rows, dim] as stored
+  const float* qf;        // [rows, dim] in float32 (kernels that score in float32)
+  const int64_t* limit;   // [rows]
+  const T* const* k;      // [nblocks]: a block's keys [block_size, dim]
+  const T* const* v;      // [nblocks]: its values
+  const int64_t* nkeys;   // [nblocks]: keys in the block (the last one may be partial)
+  int64_t first;          // position of the range's first key
+  int64_t rows, nblocks, block_size, dim;
+  int64_t slots;          // score slots per block: block_size rounded up to 16
   float scale;
-  bool round_bf16;  // scores rounded to bfloat16 before scaling (a bfloat16 cache)
-  float* scores;    // scratch [rows, nkeys] (the bf16 kernel) or [nkeys]
-  // The bfloat16 kernel's own inputs: the rows and the keys as stored, and a scratch for the
-  // keys transposed into dim-pair-major order.
-  int64_t nkeys_padded = 0;               // the bf16 kernel's score rows: nkeys rounded up to 16
-  const c10::BFloat16* q_bf16 = nullptr;  // [rows, dim]
-  const c10::BFloat16* k_bf16 = nullptr;  // [nkeys, dim]
-  int32_t* keys_t = nullptr;              // scratch [ceil(nkeys / 16), dim / 2, 16]
+  float* scores;          // scratch [rows, nblocks * slots]: scores, then probabilities
+  float* kf;              // scratch [block_size, dim]: a block's keys in float32
+  float* vf;              // scratch [block_size, dim]: a block's values in float32
+  int32_t* keys_t;        // scratch [slots / 16, dim / 2, 16]: the bf16 kernel's transposed keys
+  int64_t stride() const { return nblocks * slots; }
+  // Keys of block i row r sees: a prefix of the block.
+  int64_t visible(int64_t r, int64_t i) const {
+    return std::clamp<int64_t>(limit[r] - (first + i * block_size), 0, nkeys[i]);
+  }
 };
 
-inline float score_of(float dot, const BlockArgs& a) {
-  if (a.round_bf16) dot = static_cast<float>(c10::BFloat16(dot));
-  return dot * a.scale;
+// A score as the eager path computes it: the dot product rounded to the cache dtype, then scaled.
+template <typename T>
+inline float score_of(float dot, float scale) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) dot = static_cast<float>(c10::BFloat16(dot));
+  return dot * scale;
 }
 
 // ---------------------------------------------------------------------------- scalar reference
 
-void block_scalar(const BlockArgs& a, RowState st) {
-  for (int64_t r = 0; r < a.rows; ++r) {
-    const int64_t n = a.visible[r];
-    if (n == 0) continue;
-    const float* q = a.q + r * a.dim;
+struct Scalar {
+  template <typename T>
+  static void scores(const Range<T>& a) {
+    for (int64_t i = 0; i < a.nblocks; ++i)
+      for (int64_t r = 0; r < a.rows; ++r) {
+        float* s = a.scores + r * a.stride() + i * a.slots;
+        const int64_t n = a.visible(r, i);
+        for (int64_t t = 0; t < a.slots; ++t) {
+          if (t >= n) {
+            s[t] = kNegInf;
+            continue;
+          }
+          float dot = 0.f;
+          for (int64_t d = 0; d < a.dim; ++d)
+            dot += static_cast<float>(a.q[r * a.dim + d]) * static_cast<float>(a.k[i][t * a.dim + d]);
+          s[t] = score_of<T>(dot, a.scale);
+        }
+      }
+  }
+  static float softmax(float* p, int64_t n, float* l) {  // -> m; p := e^(p - m), l := their sum
     float mx = kNegInf;
-    for (int64_t t = 0; t < n; ++t) {
-      float dot = 0.f;
-      for (int64_t d = 0; d < a.dim; ++d) dot += q[d] * a.k[t * a.dim + d];
-      a.scores[t] = score_of(dot, a);
-      mx = std::max(mx, a.scores[t]);
-    }
-    const float m_new = std::max(st.m[r], mx);
-    const float alpha = std::exp(st.m[r] - m_new);  // 0 for the first block (m = -inf)
-    float* acc = st.acc + r * a.dim;
-    for (int64_t d = 0; d < a.dim; ++d) acc[d] *= alpha;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, p[t]);
     float sum = 0.f;
     for (int64_t t = 0; t < n; ++t) {
-      const float p = std::exp(a.scores[t] - m_new);
-      sum += p;
-      for (int64_t d = 0; d < a.dim; ++d) acc[d] += p * a.v[t * a.dim + d];
+      p[t] = p[t] == kNegInf ? 0.f : std::exp(p[t] - mx);
+      sum += p[t];
     }
-    st.l[r] = st.l[r] * alpha + sum;
-    st.m[r] = m_new;
+    *l = sum;
+    return mx;
   }
-}
+  // acc[r] += sum over the block's keys t of p[r][t] * v[t]
+  static void values(const float* p, int64_t pstride, const float* v, int64_t n, int64_t rows,
+                     int64_t dim, float* acc) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] += p[r * pstride + t] * v[t * dim + d];
+  }
+};
 
 // ---------------------------------------------------------------------------- AVX512
 
 // e^x for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial (Taylor
 // coefficients, relative error ~2e-7 on that range), 2^n through the exponent bits. Inputs below
-// -87 flush to 0 (softmax arguments are <= 0).
+// -87 (and -inf) give 0 (softmax arguments are <= 0).
 __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-87.0f);
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
@@ -134,72 +159,109 @@ __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mul_ps(~tiny, p, _mm512_castsi512_ps(bits));
 }
 
-// One row's online-softmax step over a block whose n scores (max mx) are in `scores`: rescale
-// the row's state, turn the scores into e^(s - m) in place, and add their weighted values.
-template <int C>
-__attribute__((target("avx512f"))) inline void softmax_pv_avx512(const BlockArgs& a, RowState st,
-                                                                 int64_t r, int64_t n, float mx,
-                                                                 float* scores) {
+// RB rows x CB chunks of 16 lanes of the output, over the n keys of one block: each value chunk
+// is loaded once for the RB rows, each probability broadcast once for the CB chunks. A row's
+// arithmetic (one FMA per key and lane, keys in order) is the same in any tile.
+template <int C, int RB, int CB>
+__attribute__((target("avx512f"))) inline void values_tile512(const float* p, int64_t pstride,
+                                                              const float* v, int64_t n,
+                                                              float* acc, int c0) {
   constexpr int64_t dim = 16 * C;
-  const float m_new = std::max(st.m[r], mx);
-  const float alpha = std::exp(st.m[r] - m_new);
-  float sum = 0.f;
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 live = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-    const __m512 s = _mm512_maskz_loadu_ps(live, scores + t);
-    const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-    _mm512_mask_storeu_ps(scores + t, live, p);
-    sum += _mm512_reduce_add_ps(p);
-  }
-  st.l[r] = st.l[r] * alpha + sum;
-  st.m[r] = m_new;
-  float* acc = st.acc + r * dim;
-  __m512 o[C];
-  for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), _mm512_set1_ps(alpha));
-  for (int64_t u = 0; u < n; ++u) {
-    const __m512 p = _mm512_set1_ps(scores[u]);
-    for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(a.v + u * dim + c * 16), o[c]);
-  }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + c * 16, o[c]);
-}
-
-// C = head_dim / 16 chunks of 16 lanes, a compile-time constant so that a query row and an
-// output row live in registers: the V accumulation runs C independent FMA chains per key
-// (one chain per row would wait on FMA latency at every key).
-template <int C>
-__attribute__((target("avx512f"))) void block_avx512(const BlockArgs& a, RowState st) {
-  constexpr int64_t dim = 16 * C;
-  for (int64_t r = 0; r < a.rows; ++r) {
-    const int64_t n = a.visible[r];
-    if (n == 0) continue;
-    __m512 q[C];
-    for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(a.q + r * dim + c * 16);
-    float mx = kNegInf;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* k = a.k + t * dim;
-      __m512 s0 = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
-      __m512 s1 = _mm512_setzero_ps();
-      for (int c = 1; c < C; ++c) {
-        if (c & 1) s1 = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + c * 16), s1);
-        else s0 = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + c * 16), s0);
-      }
-      a.scores[t] = score_of(_mm512_reduce_add_ps(_mm512_add_ps(s0, s1)), a);
-      mx = std::max(mx, a.scores[t]);
+  __m512 o[RB][CB];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) o[r][c] = _mm512_loadu_ps(acc + r * dim + (c0 + c) * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 vv[CB];
+    for (int c = 0; c < CB; ++c) vv[c] = _mm512_loadu_ps(v + t * dim + (c0 + c) * 16);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * pstride + t]);
+      for (int c = 0; c < CB; ++c) o[r][c] = _mm512_fmadd_ps(pr, vv[c], o[r][c]);
     }
-    softmax_pv_avx512<C>(a, st, r, n, mx, a.scores);
   }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(acc + r * dim + (c0 + c) * 16, o[r][c]);
 }
 
-__attribute__((target("avx512f"))) void bf16_to_f32_avx512(const c10::BFloat16* src, float* dst,
-                                                           int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
+// C = head_dim / 16 chunks of 16 lanes, a compile-time constant so that query rows, value chunks
+// and output tiles live in registers.
+template <int C>
+struct Avx512 {
+  static constexpr int64_t dim = 16 * C;
 
+  // Scores in float32: per row and key two FMA chains over the chunks, reduced.
+  template <typename T>
+  __attribute__((target("avx512f"))) static void scores(const Range<T>& a) {
+    for (int64_t i = 0; i < a.nblocks; ++i) {
+      const float* k = keys_f32(a, i);
+      for (int64_t r = 0; r < a.rows; ++r) {
+        __m512 q[C];
+        for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(a.qf + r * dim + c * 16);
+        float* s = a.scores + r * a.stride() + i * a.slots;
+        const int64_t n = a.visible(r, i);
+        for (int64_t t = 0; t < n; ++t) {
+          __m512 s0 = _mm512_mul_ps(q[0], _mm512_loadu_ps(k + t * dim));
+          __m512 s1 = _mm512_setzero_ps();
+          for (int c = 1; c < C; ++c) {
+            if (c & 1) s1 = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + t * dim + c * 16), s1);
+            else s0 = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + t * dim + c * 16), s0);
+          }
+          s[t] = score_of<T>(_mm512_reduce_add_ps(_mm512_add_ps(s0, s1)), a.scale);
+        }
+        std::fill(s + n, s + a.slots, kNegInf);
+      }
+    }
+  }
+
+  template <typename T>
+  __attribute__((target("avx512f"))) static const float* keys_f32(const Range<T>& a, int64_t i) {
+    if constexpr (std::is_same_v<T, float>) return a.k[i];
+    else return widen(a.k[i], a.kf, a.nkeys[i] * dim);
+  }
+
+  __attribute__((target("avx512f"))) static const float* widen(const c10::BFloat16* src,
+                                                               float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    return dst;
+  }
+
+  __attribute__((target("avx512f"))) static float softmax(float* p, int64_t n, float* l) {
+    __m512 mv = _mm512_set1_ps(kNegInf);
+    for (int64_t t = 0; t < n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(p + t));
+    const float mx = _mm512_reduce_max_ps(mv);
+    if (mx == kNegInf) {  // a row that sees none of the range
+      std::fill(p, p + n, 0.f);
+      *l = 0.f;
+      return mx;
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(p + t), _mm512_set1_ps(mx)));
+      _mm512_storeu_ps(p + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    *l = _mm512_reduce_add_ps(sum);
+    return mx;
+  }
+
+  __attribute__((target("avx512f"))) static void values(const float* p, int64_t pstride,
+                                                        const float* v, int64_t n, int64_t rows,
+                                                        int64_t, float* acc) {
+    constexpr int CB = C % 4 == 0 ? 4 : C % 2 == 0 ? 2 : 1;
+    constexpr int RB = 6;
+    int64_t r = 0;
+    for (; r + RB <= rows; r += RB)
+      for (int c0 = 0; c0 < C; c0 += CB)
+        values_tile512<C, RB, CB>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+    for (; r < rows; ++r)
+      for (int c0 = 0; c0 < C; c0 += CB)
+        values_tile512<C, 1, CB>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+  }
+};
 
 // ---------------------------------------------------------------------------- AVX512-BF16
 
@@ -233,20 +295,19 @@ __attribute__((target("avx512f"))) inline void transpose16(__m512i r[16]) {
 // Keys [nkeys, dim] bf16 -> keys_t [group of 16 keys][dim / 2][16]: lane t of pair p holds
 // (k[t][2p], k[t][2p + 1]), what `vdpbf16ps` multiplies against a broadcast pair of the query.
 // Keys past nkeys read as zero (their scores are masked).
+template <int64_t kPairs>
 __attribute__((target("avx512f"))) void transpose_keys(const c10::BFloat16* k, int64_t nkeys,
-                                                       int64_t dim, int32_t* keys_t) {
-  const int64_t pairs = dim / 2;
+                                                       int32_t* keys_t) {
+  static_assert(kPairs % 16 == 0, "head_dim a multiple of 32");
   for (int64_t t0 = 0; t0 < nkeys; t0 += 16) {
-    int32_t* out = keys_t + (t0 / 16) * pairs * 16;
-    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
-      const __mmask16 cols = pairs - p0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (pairs - p0)) - 1);
+    int32_t* out = keys_t + (t0 / 16) * kPairs * 16;
+    for (int64_t p0 = 0; p0 < kPairs; p0 += 16) {
       __m512i r[16];
       for (int t = 0; t < 16; ++t)
-        r[t] = t0 + t < nkeys ? _mm512_maskz_loadu_epi32(cols, k + (t0 + t) * dim + 2 * p0)
+        r[t] = t0 + t < nkeys ? _mm512_loadu_si512(k + (t0 + t) * 2 * kPairs + 2 * p0)
                               : _mm512_setzero_si512();
       transpose16(r);
-      for (int64_t i = 0; i < std::min<int64_t>(16, pairs - p0); ++i)
-        _mm512_storeu_si512(out + (p0 + i) * 16, r[i]);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (p0 + i) * 16, r[i]);
     }
   }
 }
@@ -272,46 +333,59 @@ __attribute__((target("avx512f,avx512bf16"))) inline void scores_bf16(const int3
   for (int i = 0; i < RB; ++i) out[i] = _mm512_add_ps(even[i], odd[i]);
 }
 
-// 16 dot products -> scores: rounded to bf16 (as the cache dtype's matmul would), then scaled.
-__attribute__((target("avx512f,avx512bf16"))) inline void store_scores(__m512 dots,
-                                                                      const BlockArgs& a,
-                                                                      float* dst) {
+// 16 dot products -> scores: rounded to bf16 (as the cache dtype's matmul would), then scaled;
+// lanes at and past `n` (keys the row does not see) -inf.
+__attribute__((target("avx512f,avx512bf16"))) inline void store_scores(__m512 dots, float scale,
+                                                                      int64_t n, float* dst) {
   const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(dots));
-  _mm512_storeu_ps(dst, _mm512_mul_ps(rounded, _mm512_set1_ps(a.scale)));
+  const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
+  _mm512_storeu_ps(dst, _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), live, rounded,
+                                           _mm512_set1_ps(scale)));
 }
 
-// block_avx512 for a bfloat16 cache on a CPU with AVX512-BF16: the scores come from the keys
-// as stored through `vdpbf16ps` (16 keys in the lanes), rounded to bf16 and scaled as the other
-// kernels do; the softmax and the values are block_avx512's.
-template <int C>
-__attribute__((target("avx512f,avx512bf16"))) void block_bf16(const BlockArgs& a, RowState st) {
-  constexpr int64_t dim = 16 * C, pairs = dim / 2;
-  constexpr int RB = 4;
-  transpose_keys(a.k_bf16, a.nkeys, dim, a.keys_t);
-  const auto* q_pairs = reinterpret_cast<const int32_t*>(a.q_bf16);
-  for (int64_t t0 = 0; t0 < a.nkeys; t0 += 16) {
-    const int32_t* kt = a.keys_t + (t0 / 16) * pairs * 16;
-    int64_t r = 0;
-    for (; r + RB <= a.rows; r += RB) {
-      __m512 s[RB];
-      scores_bf16<RB>(q_pairs + r * pairs, pairs, kt, s);
-      for (int i = 0; i < RB; ++i) store_scores(s[i], a, a.scores + (r + i) * a.nkeys_padded + t0);
-    }
-    for (; r < a.rows; ++r) {
-      __m512 s[1];
-      scores_bf16<1>(q_pairs + r * pairs, pairs, kt, s);
-      store_scores(s[0], a, a.scores + r * a.nkeys_padded + t0);
-    }
-  }
-  for (int64_t r = 0; r < a.rows; ++r) {
-    const int64_t n = a.visible[r];
-    if (n == 0) continue;
-    float* scores = a.scores + r * a.nkeys_padded;
-    float mx = kNegInf;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, scores[t]);
-    softmax_pv_avx512<C>(a, st, r, n, mx, scores);
-  }
+// Scores of rows r .. r + RB against keys t0 .. t0 + 15 of block i, stored.
+template <int RB>
+__attribute__((target("avx512f,avx512bf16"))) inline void rows_bf16(
+    const Range<c10::BFloat16>& a, const int32_t* q_pairs, const int32_t* kt, int64_t r,
+    int64_t i, int64_t t0) {
+  const int64_t pairs = a.dim / 2;
+  __m512 s[RB];
+  scores_bf16<RB>(q_pairs + r * pairs, pairs, kt, s);
+  for (int j = 0; j < RB; ++j)
+    store_scores(s[j], a.scale, a.visible(r + j, i) - t0,
+                 a.scores + (r + j) * a.stride() + i * a.slots + t0);
 }
+
+// Avx512 for a bfloat16 cache on a CPU with AVX512-BF16: the scores come from the keys as
+// stored through `vdpbf16ps` (16 keys in the lanes, transposed once per block for all rows),
+// rounded to bf16 and scaled as the other kernels do; the softmax and the values are Avx512's.
+template <int C>
+struct Bf16 : Avx512<C> {
+  static constexpr int64_t dim = 16 * C, pairs = dim / 2;
+
+  __attribute__((target("avx512f,avx512bf16"))) static void scores(const Range<c10::BFloat16>& a) {
+    const auto* q_pairs = reinterpret_cast<const int32_t*>(a.q);
+    for (int64_t i = 0; i < a.nblocks; ++i) {
+      transpose_keys<pairs>(a.k[i], a.nkeys[i], a.keys_t);
+      for (int64_t t0 = 0; t0 < a.nkeys[i]; t0 += 16) {
+        const int32_t* kt = a.keys_t + (t0 / 16) * pairs * 16;
+        for (int64_t r = 0; r < a.rows; r += 6) {
+          switch (std::min<int64_t>(6, a.rows - r)) {
+            case 6: rows_bf16<6>(a, q_pairs, kt, r, i, t0); break;
+            case 5: rows_bf16<5>(a, q_pairs, kt, r, i, t0); break;
+            case 4: rows_bf16<4>(a, q_pairs, kt, r, i, t0); break;
+            case 3: rows_bf16<3>(a, q_pairs, kt, r, i, t0); break;
+            case 2: rows_bf16<2>(a, q_pairs, kt, r, i, t0); break;
+            default: rows_bf16<1>(a, q_pairs, kt, r, i, t0);
+          }
+        }
+      }
+      for (int64_t r = 0; r < a.rows; ++r)  // slots past the block's last group of 16
+        std::fill(a.scores + r * a.stride() + i * a.slots + (a.nkeys[i] + 15) / 16 * 16,
+                  a.scores + r * a.stride() + (i + 1) * a.slots, kNegInf);
+    }
+  }
+};
 
 // ---------------------------------------------------------------------------- AVX2
 
@@ -343,66 +417,142 @@ __attribute__((target("avx2,fma"))) inline float sum256(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-// block_avx512 on 8 lanes: C = head_dim / 8.
-template <int C>
-__attribute__((target("avx2,fma"))) void block_avx2(const BlockArgs& a, RowState st) {
-  constexpr int64_t dim = 8 * C;
-  for (int64_t r = 0; r < a.rows; ++r) {
-    const int64_t n = a.visible[r];
-    if (n == 0) continue;
-    const float* q = a.q + r * dim;
-    float mx = kNegInf;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* k = a.k + t * dim;
-      __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-      __m256 s1 = _mm256_setzero_ps();
-      for (int c = 1; c < C; ++c) {
-        const __m256 prod_q = _mm256_loadu_ps(q + c * 8), kk = _mm256_loadu_ps(k + c * 8);
-        if (c & 1) s1 = _mm256_fmadd_ps(prod_q, kk, s1);
-        else s0 = _mm256_fmadd_ps(prod_q, kk, s0);
-      }
-      a.scores[t] = score_of(sum256(_mm256_add_ps(s0, s1)), a);
-      mx = std::max(mx, a.scores[t]);
-    }
-    const float m_new = std::max(st.m[r], mx);
-    const float alpha = std::exp(st.m[r] - m_new);
-    float sum = 0.f;
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
-      const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(a.scores + t), _mm256_set1_ps(m_new)));
-      _mm256_storeu_ps(a.scores + t, p);
-      sum += sum256(p);
-    }
-    for (; t < n; ++t) {
-      a.scores[t] = std::exp(a.scores[t] - m_new);
-      sum += a.scores[t];
-    }
-    st.l[r] = st.l[r] * alpha + sum;
-    st.m[r] = m_new;
-    float* acc = st.acc + r * dim;
-    __m256 o[C];
-    for (int c = 0; c < C; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + c * 8), _mm256_set1_ps(alpha));
-    for (int64_t u = 0; u < n; ++u) {
-      const __m256 p = _mm256_set1_ps(a.scores[u]);
-      for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(a.v + u * dim + c * 8), o[c]);
-    }
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + c * 8, o[c]);
-  }
+__attribute__((target("avx2,fma"))) inline float max256(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
 }
 
-__attribute__((target("avx2,fma"))) void bf16_to_f32_avx2(const c10::BFloat16* src, float* dst,
-                                                          int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+// values_tile512 on 8 lanes (16 registers: RB x CB accumulators, CB values, one broadcast).
+template <int C, int RB, int CB>
+__attribute__((target("avx2,fma"))) inline void values_tile256(const float* p, int64_t pstride,
+                                                               const float* v, int64_t n,
+                                                               float* acc, int c0) {
+  constexpr int64_t dim = 8 * C;
+  __m256 o[RB][CB];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) o[r][c] = _mm256_loadu_ps(acc + r * dim + (c0 + c) * 8);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 vv[CB];
+    for (int c = 0; c < CB; ++c) vv[c] = _mm256_loadu_ps(v + t * dim + (c0 + c) * 8);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * pstride + t);
+      for (int c = 0; c < CB; ++c) o[r][c] = _mm256_fmadd_ps(pr, vv[c], o[r][c]);
+    }
   }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) _mm256_storeu_ps(acc + r * dim + (c0 + c) * 8, o[r][c]);
+}
+
+// Avx512 on 8 lanes: C = head_dim / 8.
+template <int C>
+struct Avx2 {
+  static constexpr int64_t dim = 8 * C;
+
+  template <typename T>
+  __attribute__((target("avx2,fma"))) static void scores(const Range<T>& a) {
+    for (int64_t i = 0; i < a.nblocks; ++i) {
+      const float* k = keys_f32(a, i);
+      for (int64_t r = 0; r < a.rows; ++r) {
+        const float* q = a.qf + r * dim;
+        float* s = a.scores + r * a.stride() + i * a.slots;
+        const int64_t n = a.visible(r, i);
+        for (int64_t t = 0; t < n; ++t) {
+          __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k + t * dim));
+          __m256 s1 = _mm256_setzero_ps();
+          for (int c = 1; c < C; ++c) {
+            const __m256 qc = _mm256_loadu_ps(q + c * 8), kc = _mm256_loadu_ps(k + t * dim + c * 8);
+            if (c & 1) s1 = _mm256_fmadd_ps(qc, kc, s1);
+            else s0 = _mm256_fmadd_ps(qc, kc, s0);
+          }
+          s[t] = score_of<T>(sum256(_mm256_add_ps(s0, s1)), a.scale);
+        }
+        std::fill(s + n, s + a.slots, kNegInf);
+      }
+    }
+  }
+
+  template <typename T>
+  __attribute__((target("avx2,fma"))) static const float* keys_f32(const Range<T>& a, int64_t i) {
+    if constexpr (std::is_same_v<T, float>) return a.k[i];
+    else return widen(a.k[i], a.kf, a.nkeys[i] * dim);
+  }
+
+  __attribute__((target("avx2,fma"))) static const float* widen(const c10::BFloat16* src,
+                                                                float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    return dst;
+  }
+
+  __attribute__((target("avx2,fma"))) static float softmax(float* p, int64_t n, float* l) {
+    __m256 mv = _mm256_set1_ps(kNegInf);
+    for (int64_t t = 0; t < n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + t));
+    const float mx = max256(mv);
+    if (mx == kNegInf) {
+      std::fill(p, p + n, 0.f);
+      *l = 0.f;
+      return mx;
+    }
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(mx)));
+      _mm256_storeu_ps(p + t, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    *l = sum256(sum);
+    return mx;
+  }
+
+  __attribute__((target("avx2,fma"))) static void values(const float* p, int64_t pstride,
+                                                         const float* v, int64_t n, int64_t rows,
+                                                         int64_t, float* acc) {
+    constexpr int CB = C % 2 == 0 ? 2 : 1;
+    constexpr int RB = 4;
+    int64_t r = 0;
+    for (; r + RB <= rows; r += RB)
+      for (int c0 = 0; c0 < C; c0 += CB)
+        values_tile256<C, RB, CB>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+    for (; r < rows; ++r)
+      for (int c0 = 0; c0 < C; c0 += CB)
+        values_tile256<C, 1, CB>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+  }
+};
+
+// ---------------------------------------------------------------------------- one range
+
+// An item's rows against its range: every score, then each row's softmax over the whole range
+// (its max and sum are the item's m and l), then the values weighted by the probabilities.
+// Scalar's widen is the portable conversion; the SIMD kernels bring their own.
+template <class K, typename T>
+void attend(const Range<T>& a, RowState st) {
+  K::scores(a);
+  for (int64_t r = 0; r < a.rows; ++r)
+    st.m[r] = K::softmax(a.scores + r * a.stride(), a.stride(), st.l + r);
+  std::fill(st.acc, st.acc + a.rows * a.dim, 0.f);
+  for (int64_t i = 0; i < a.nblocks; ++i) {
+    const float* v;
+    if constexpr (std::is_same_v<T, float>) {
+      v = a.v[i];
+    } else if constexpr (std::is_same_v<K, Scalar>) {
+      for (int64_t e = 0; e < a.nkeys[i] * a.dim; ++e) a.vf[e] = static_cast<float>(a.v[i][e]);
+      v = a.vf;
+    } else {
+      v = K::widen(a.v[i], a.vf, a.nkeys[i] * a.dim);
+    }
+    K::values(a.scores + i * a.slots, a.stride(), v, a.nkeys[i], a.rows, a.dim, st.acc);
+  }
 }
 
 // ---------------------------------------------------------------------------- dispatch
 
-using BlockFn = void (*)(const BlockArgs&, RowState);
+template <typename T>
+using RangeFn = void (*)(const Range<T>&, RowState);
 
 bool has_avx512() {
   static const bool yes = [] {
@@ -430,49 +580,61 @@ bool has_avx512bf16() {
 
 enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Bf16 };
 
-// The AVX2 block kernels by head_dim / 8; null where none is compiled.
-BlockFn avx2_for(int64_t dim) {
+// The AVX2 kernels by head_dim / 8; null where none is compiled.
+template <typename T>
+RangeFn<T> avx2_for(int64_t dim) {
   switch (dim) {
-    case 16: return block_avx2<2>;
-    case 32: return block_avx2<4>;
-    case 64: return block_avx2<8>;
-    case 80: return block_avx2<10>;
-    case 96: return block_avx2<12>;
-    case 128: return block_avx2<16>;
-    case 256: return block_avx2<32>;
+    case 16: return attend<Avx2<2>, T>;
+    case 32: return attend<Avx2<4>, T>;
+    case 64: return attend<Avx2<8>, T>;
+    case 80: return attend<Avx2<10>, T>;
+    case 96: return attend<Avx2<12>, T>;
+    case 128: return attend<Avx2<16>, T>;
+    case 256: return attend<Avx2<32>, T>;
     default: return nullptr;
   }
 }
 
-// The AVX512 block kernels by head_dim / 16; null where none is compiled.
-BlockFn avx512_for(int64_t dim) {
+// The AVX512 kernels by head_dim / 16; null where none is compiled.
+template <typename T>
+RangeFn<T> avx512_for(int64_t dim) {
   switch (dim) {
-    case 16: return block_avx512<1>;
-    case 32: return block_avx512<2>;
-    case 64: return block_avx512<4>;
-    case 80: return block_avx512<5>;
-    case 96: return block_avx512<6>;
-    case 128: return block_avx512<8>;
-    case 256: return block_avx512<16>;
+    case 16: return attend<Avx512<1>, T>;
+    case 32: return attend<Avx512<2>, T>;
+    case 64: return attend<Avx512<4>, T>;
+    case 80: return attend<Avx512<5>, T>;
+    case 96: return attend<Avx512<6>, T>;
+    case 128: return attend<Avx512<8>, T>;
+    case 256: return attend<Avx512<16>, T>;
     default: return nullptr;
   }
 }
 
-// The AVX512-BF16 block kernels (bfloat16 caches) by head_dim / 16; null where none is compiled.
-BlockFn bf16_for(int64_t dim) {
+// The AVX512-BF16 kernels (bfloat16 caches) by head_dim / 16; null where none is compiled.
+RangeFn<c10::BFloat16> bf16_for(int64_t dim) {
+  using T = c10::BFloat16;
   switch (dim) {
-    case 32: return block_bf16<2>;
-    case 64: return block_bf16<4>;
-    case 96: return block_bf16<6>;
-    case 128: return block_bf16<8>;
-    case 256: return block_bf16<16>;
+    case 32: return attend<Bf16<2>, T>;
+    case 64: return attend<Bf16<4>, T>;
+    case 96: return attend<Bf16<6>, T>;
+    case 128: return attend<Bf16<8>, T>;
+    case 256: return attend<Bf16<16>, T>;
     default: return nullptr;
   }
+}
+
+template <typename T>
+RangeFn<T> kernel_for(Isa isa, int64_t dim) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if (isa == Isa::kAvx512Bf16) return bf16_for(dim);
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) return avx512_for<T>(dim);
+  if (isa == Isa::kAvx2) return avx2_for<T>(dim);
+  return attend<Scalar, T>;
 }
 
 Isa pick(const std::string& isa, int64_t dim, bool bf16) {
-  const bool avx512_ok = has_avx512() && avx512_for(dim) != nullptr;
-  const bool avx2_ok = has_avx2() && avx2_for(dim) != nullptr;
+  const bool avx512_ok = has_avx512() && avx512_for<float>(dim) != nullptr;
+  const bool avx2_ok = has_avx2() && avx2_for<float>(dim) != nullptr;
   const bool bf16_ok = bf16 && has_avx512bf16() && bf16_for(dim) != nullptr;
   if (isa == "scalar") return Isa::kScalar;
   if (isa == "avx512bf16") {
@@ -490,15 +652,6 @@ Isa pick(const std::string& isa, int64_t dim, bool bf16) {
   }
   TORCH_CHECK(isa == "auto", "paged_attention: isa must be auto, scalar, avx2, avx512 or avx512bf16");
   return bf16_ok ? Isa::kAvx512Bf16 : avx512_ok ? Isa::kAvx512 : avx2_ok ? Isa::kAvx2 : Isa::kScalar;
-}
-
-template <typename T>
-void to_f32(const T* src, float* dst, int64_t n, Isa isa) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) return bf16_to_f32_avx512(src, dst, n);
-    if (isa == Isa::kAvx2) return bf16_to_f32_avx2(src, dst, n);
-  }
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 // ---------------------------------------------------------------------------- the op
@@ -561,82 +714,58 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1);
   const int64_t block_size = k_cache.size(2), group = heads / kv_heads;
-  const int64_t max_blocks = tables.size(1);
+  const int64_t max_blocks = tables.size(1), slots = (block_size + 15) / 16 * 16;
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  const BlockFn block = isa == Isa::kAvx512Bf16 ? bf16_for(dim)
-                       : isa == Isa::kAvx512   ? avx512_for(dim)
-                       : isa == Isa::kAvx2     ? avx2_for(dim)
-                                               : block_scalar;
-  const bool round = std::is_same_v<T, c10::BFloat16>;
-  const bool keys_as_stored = isa == Isa::kAvx512Bf16;  // the bf16 kernel reads q and K as stored
-  const int64_t padded = (block_size + 15) / 16 * 16;
+  const RangeFn<T> kernel = kernel_for<T>(isa, dim);
   at::parallel_for(0, static_cast<int64_t>(p.items.size()), 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf, kf(block_size * dim), vf(block_size * dim), scores;
-    std::vector<c10::BFloat16> qh;
-    std::vector<int32_t> keys_t(keys_as_stored ? padded * dim / 2 : 0);
-    std::vector<int64_t> visible;
+    std::vector<T> qrows;
+    std::vector<float> qf, scores, kf(block_size * dim), vf(block_size * dim);
+    std::vector<int32_t> keys_t(slots * dim / 2);
+    std::vector<int64_t> limit, nkeys;
+    std::vector<const T*> kb, vb;
     for (int64_t i = lo; i < hi; ++i) {
       const Item& it = p.items[i];
       const int64_t qn = p.qlen[it.b], start = p.start[it.b];
       const int64_t rows = group * (it.q_end - it.q_begin), first_row = group * it.q_begin;
-      visible.resize(rows);
-      scores.resize(keys_as_stored ? rows * padded : block_size);
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (keys_as_stored) {
-          qh.resize(rows * dim);
-          for (int64_t j = it.q_begin; j < it.q_end; ++j)  // a query's heads are contiguous rows
-            std::copy_n(qp + ((p.qoffset[it.b] + j) * heads + it.h * group) * dim, group * dim,
-                        qh.data() + (j - it.q_begin) * group * dim);
-        }
-      }
-      if (!keys_as_stored) {
-        qf.resize(rows * dim);
-        for (int64_t j = it.q_begin; j < it.q_end; ++j)  // row j * group + g: query j, head h * group + g
-          for (int64_t g = 0; g < group; ++g)
-            to_f32(qp + ((p.qoffset[it.b] + j) * heads + it.h * group + g) * dim,
-                   qf.data() + ((j - it.q_begin) * group + g) * dim, dim, isa);
-      }
       const int64_t at = it.row_offset + first_row;
-      RowState st{m + at, l + at, acc + at * dim};
-      std::fill(st.m, st.m + rows, kNegInf);
-      std::fill(st.l, st.l + rows, 0.f);
-      std::fill(st.acc, st.acc + rows * dim, 0.f);
-      for (int64_t blk = it.block_begin; blk < it.block_end; ++blk) {
-        const int64_t first = blk * block_size;
-        if (first > start + it.q_end - 1) break;  // past the tile's last query: seen by none
+      const RowState st{m + at, l + at, acc + at * dim};
+      // the blocks up to the tile's last query: later ones are seen by none of its rows
+      const int64_t end = std::min(it.block_end, (start + it.q_end - 1) / block_size + 1);
+      const int64_t nblocks = std::max<int64_t>(0, end - it.block_begin);
+      if (nblocks == 0) {
+        std::fill(st.m, st.m + rows, kNegInf);
+        std::fill(st.l, st.l + rows, 0.f);
+        std::fill(st.acc, st.acc + rows * dim, 0.f);
+        continue;
+      }
+      qrows.resize(rows * dim);
+      qf.resize(rows * dim);
+      limit.resize(rows);
+      for (int64_t j = it.q_begin; j < it.q_end; ++j)  // row j * group + g: query j, head h * group + g
+        std::copy_n(qp + ((p.qoffset[it.b] + j) * heads + it.h * group) * dim, group * dim,
+                    qrows.data() + (j - it.q_begin) * group * dim);
+      for (int64_t e = 0; e < rows * dim; ++e) qf[e] = static_cast<float>(qrows[e]);
+      for (int64_t r = 0; r < rows; ++r) limit[r] = start + it.q_begin + r / group + 1;
+      kb.resize(nblocks);
+      vb.resize(nblocks);
+      nkeys.resize(nblocks);
+      for (int64_t n = 0; n < nblocks; ++n) {
+        const int64_t blk = it.block_begin + n;
         const int64_t id = tp[it.b * max_blocks + blk];
         TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention: block id out of range");
-        const int64_t nkeys = std::min(block_size, start + qn - first);
-        for (int64_t r = 0; r < rows; ++r)
-          visible[r] = std::clamp<int64_t>(start + it.q_begin + r / group + 1 - first, 0, nkeys);
         const int64_t base = ((it.h * num_blocks) + id) * block_size * dim;
-        const float* kb = nullptr;
-        const float* vb;
-        BlockArgs a{qf.data(), nullptr, nullptr, visible.data(), rows, nkeys, dim, scale, round,
-                    scores.data()};
-        if constexpr (std::is_same_v<T, float>) {
-          kb = kp + base;
-          vb = vp + base;
-        } else {
-          if (keys_as_stored) {
-            a.q_bf16 = qh.data();
-            a.k_bf16 = kp + base;
-            a.keys_t = keys_t.data();
-            a.nkeys_padded = padded;
-          } else {
-            to_f32(kp + base, kf.data(), nkeys * dim, isa);
-            kb = kf.data();
-          }
-          to_f32(vp + base, vf.data(), nkeys * dim, isa);
-          vb = vf.data();
-        }
-        a.k = kb;
-        a.v = vb;
-        block(a, st);
+        kb[n] = kp + base;
+        vb[n] = vp + base;
+        nkeys[n] = std::min(block_size, start + qn - blk * block_size);
       }
+      scores.resize(rows * nblocks * slots);
+      const Range<T> a{qrows.data(), qf.data(), limit.data(), kb.data(), vb.data(), nkeys.data(),
+                       it.block_begin * block_size, rows, nblocks, block_size, dim, slots, scale,
+                       scores.data(), kf.data(), vf.data(), keys_t.data()};
+      kernel(a, st);
     }
   });
 }

@@ -77,7 +77,6 @@ struct Range {
   float scale;
   float* scores;          // scratch [rows, nblocks * slots]: scores, then probabilities
   float* kf;              // scratch [block_size, dim]: a block's keys in float32
-  float* vf;              // scratch [block_size, dim]: a block's values in float32
   int32_t* keys_t;        // scratch [slots / 16, dim / 2, 16]: the bf16 kernel's transposed keys
   int64_t stride() const { return nblocks * slots; }
   // Keys of block i row r sees: a prefix of the block.
@@ -126,11 +125,13 @@ struct Scalar {
     return mx;
   }
   // acc[r] += sum over the block's keys t of p[r][t] * v[t]
-  static void values(const float* p, int64_t pstride, const float* v, int64_t n, int64_t rows,
+  template <typename T>
+  static void values(const float* p, int64_t pstride, const T* v, int64_t n, int64_t rows,
                      int64_t dim, float* acc) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t t = 0; t < n; ++t)
-        for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] += p[r * pstride + t] * v[t * dim + d];
+        for (int64_t d = 0; d < dim; ++d)
+          acc[r * dim + d] += p[r * pstride + t] * static_cast<float>(v[t * dim + d]);
   }
 };
 
@@ -159,12 +160,19 @@ __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mul_ps(~tiny, p, _mm512_castsi512_ps(bits));
 }
 
+// 16 values as float32, from a float32 or a bfloat16 row (widened exactly: the bits shifted up).
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // RB rows x CB chunks of 16 lanes of the output, over the n keys of one block: each value chunk
 // is loaded once for the RB rows, each probability broadcast once for the CB chunks. A row's
 // arithmetic (one FMA per key and lane, keys in order) is the same in any tile.
-template <int C, int RB, int CB>
+template <int C, int RB, int CB, typename T>
 __attribute__((target("avx512f"))) inline void values_tile512(const float* p, int64_t pstride,
-                                                              const float* v, int64_t n,
+                                                              const T* v, int64_t n,
                                                               float* acc, int c0) {
   constexpr int64_t dim = 16 * C;
   __m512 o[RB][CB];
@@ -172,7 +180,7 @@ __attribute__((target("avx512f"))) inline void values_tile512(const float* p, in
     for (int c = 0; c < CB; ++c) o[r][c] = _mm512_loadu_ps(acc + r * dim + (c0 + c) * 16);
   for (int64_t t = 0; t < n; ++t) {
     __m512 vv[CB];
-    for (int c = 0; c < CB; ++c) vv[c] = _mm512_loadu_ps(v + t * dim + (c0 + c) * 16);
+    for (int c = 0; c < CB; ++c) vv[c] = load16(v + t * dim + (c0 + c) * 16);
     for (int r = 0; r < RB; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r * pstride + t]);
       for (int c = 0; c < CB; ++c) o[r][c] = _mm512_fmadd_ps(pr, vv[c], o[r][c]);
@@ -248,18 +256,19 @@ struct Avx512 {
     return mx;
   }
 
+  template <typename T>
   __attribute__((target("avx512f"))) static void values(const float* p, int64_t pstride,
-                                                        const float* v, int64_t n, int64_t rows,
+                                                        const T* v, int64_t n, int64_t rows,
                                                         int64_t, float* acc) {
     constexpr int CB = C % 4 == 0 ? 4 : C % 2 == 0 ? 2 : 1;
     constexpr int RB = 6;
     int64_t r = 0;
     for (; r + RB <= rows; r += RB)
       for (int c0 = 0; c0 < C; c0 += CB)
-        values_tile512<C, RB, CB>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+        values_tile512<C, RB, CB, T>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
     for (; r < rows; ++r)
       for (int c0 = 0; c0 < C; c0 += CB)
-        values_tile512<C, 1, CB>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+        values_tile512<C, 1, CB, T>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
   }
 };
 
@@ -424,10 +433,16 @@ __attribute__((target("avx2,fma"))) inline float max256(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // values_tile512 on 8 lanes (16 registers: RB x CB accumulators, CB values, one broadcast).
-template <int C, int RB, int CB>
+template <int C, int RB, int CB, typename T>
 __attribute__((target("avx2,fma"))) inline void values_tile256(const float* p, int64_t pstride,
-                                                               const float* v, int64_t n,
+                                                               const T* v, int64_t n,
                                                                float* acc, int c0) {
   constexpr int64_t dim = 8 * C;
   __m256 o[RB][CB];
@@ -435,7 +450,7 @@ __attribute__((target("avx2,fma"))) inline void values_tile256(const float* p, i
     for (int c = 0; c < CB; ++c) o[r][c] = _mm256_loadu_ps(acc + r * dim + (c0 + c) * 8);
   for (int64_t t = 0; t < n; ++t) {
     __m256 vv[CB];
-    for (int c = 0; c < CB; ++c) vv[c] = _mm256_loadu_ps(v + t * dim + (c0 + c) * 8);
+    for (int c = 0; c < CB; ++c) vv[c] = load8(v + t * dim + (c0 + c) * 8);
     for (int r = 0; r < RB; ++r) {
       const __m256 pr = _mm256_broadcast_ss(p + r * pstride + t);
       for (int c = 0; c < CB; ++c) o[r][c] = _mm256_fmadd_ps(pr, vv[c], o[r][c]);
@@ -509,18 +524,19 @@ struct Avx2 {
     return mx;
   }
 
+  template <typename T>
   __attribute__((target("avx2,fma"))) static void values(const float* p, int64_t pstride,
-                                                         const float* v, int64_t n, int64_t rows,
+                                                         const T* v, int64_t n, int64_t rows,
                                                          int64_t, float* acc) {
     constexpr int CB = C % 2 == 0 ? 2 : 1;
     constexpr int RB = 4;
     int64_t r = 0;
     for (; r + RB <= rows; r += RB)
       for (int c0 = 0; c0 < C; c0 += CB)
-        values_tile256<C, RB, CB>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+        values_tile256<C, RB, CB, T>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
     for (; r < rows; ++r)
       for (int c0 = 0; c0 < C; c0 += CB)
-        values_tile256<C, 1, CB>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+        values_tile256<C, 1, CB, T>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
   }
 };
 
@@ -528,25 +544,14 @@ struct Avx2 {
 
 // An item's rows against its range: every score, then each row's softmax over the whole range
 // (its max and sum are the item's m and l), then the values weighted by the probabilities.
-// Scalar's widen is the portable conversion; the SIMD kernels bring their own.
 template <class K, typename T>
 void attend(const Range<T>& a, RowState st) {
   K::scores(a);
   for (int64_t r = 0; r < a.rows; ++r)
     st.m[r] = K::softmax(a.scores + r * a.stride(), a.stride(), st.l + r);
   std::fill(st.acc, st.acc + a.rows * a.dim, 0.f);
-  for (int64_t i = 0; i < a.nblocks; ++i) {
-    const float* v;
-    if constexpr (std::is_same_v<T, float>) {
-      v = a.v[i];
-    } else if constexpr (std::is_same_v<K, Scalar>) {
-      for (int64_t e = 0; e < a.nkeys[i] * a.dim; ++e) a.vf[e] = static_cast<float>(a.v[i][e]);
-      v = a.vf;
-    } else {
-      v = K::widen(a.v[i], a.vf, a.nkeys[i] * a.dim);
-    }
-    K::values(a.scores + i * a.slots, a.stride(), v, a.nkeys[i], a.rows, a.dim, st.acc);
-  }
+  for (int64_t i = 0; i < a.nblocks; ++i)
+    K::values(a.scores + i * a.slots, a.stride(), a.v[i], a.nkeys[i], a.rows, a.dim, st.acc);
 }
 
 // ---------------------------------------------------------------------------- dispatch
@@ -656,6 +661,20 @@ Isa pick(const std::string& isa, int64_t dim, bool bf16) {
 
 // ---------------------------------------------------------------------------- the op
 
+// A scratch buffer whose data is 64-byte aligned, so that no 512-bit load or store splits a line.
+template <typename T>
+class Scratch {
+ public:
+  T* get(size_t n) {
+    raw_.resize(n + 64 / sizeof(T));
+    const auto at = (reinterpret_cast<uintptr_t>(raw_.data()) + 63) & ~uintptr_t{63};
+    return reinterpret_cast<T*>(at);
+  }
+
+ private:
+  std::vector<T> raw_;
+};
+
 // Rows of a (request, KV head) are ordered query-major, row j * group + g: query j of head
 // h * group + g, so a tile of queries is a contiguous run of rows.
 struct Item {
@@ -722,8 +741,11 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
   const RangeFn<T> kernel = kernel_for<T>(isa, dim);
   at::parallel_for(0, static_cast<int64_t>(p.items.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<T> qrows;
-    std::vector<float> qf, scores, kf(block_size * dim), vf(block_size * dim);
-    std::vector<int32_t> keys_t(slots * dim / 2);
+    std::vector<float> qf;
+    Scratch<float> scores, keys_f32;
+    Scratch<int32_t> keys_t;
+    float* kf = keys_f32.get(block_size * dim);
+    int32_t* kt = keys_t.get(slots * dim / 2);
     std::vector<int64_t> limit, nkeys;
     std::vector<const T*> kb, vb;
     for (int64_t i = lo; i < hi; ++i) {
@@ -761,10 +783,9 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
         vb[n] = vp + base;
         nkeys[n] = std::min(block_size, start + qn - blk * block_size);
       }
-      scores.resize(rows * nblocks * slots);
       const Range<T> a{qrows.data(), qf.data(), limit.data(), kb.data(), vb.data(), nkeys.data(),
                        it.block_begin * block_size, rows, nblocks, block_size, dim, slots, scale,
-                       scores.data(), kf.data(), vf.data(), keys_t.data()};
+                       scores.get(rows * nblocks * slots), kf, kt};
       kernel(a, st);
     }
   });

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.kernels.memory import empty_huge
 from engine.model import native_attention
 from engine.model.attention import AttentionMetadata, RequestSpan
 from engine.model.decode_graph import DecodeGraph
@@ -123,9 +124,12 @@ class ModelRunner:
         # writes into a view of its input copies the whole base back (the pool, every layer)
         self.kv_caches = []
         for _ in range(s.num_layers):
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.kv_caches.append((k, v))
+            self.kv_caches.append((self._zeros(shape), self._zeros(shape)))
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return empty_huge(shape, self.dtype).zero_()  # 2 MB pages: one TLB entry per 2 MB read
 
     def warm_up(self) -> None:
         """Compile the decode graph, if any (after allocate_kv_cache). Its forwards read block 0

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "memory.h"
 
 namespace specserve::gguf {
 namespace {
@@ -208,7 +209,7 @@ at::Tensor pack_rows16_matrix(const at::Tensor& blocks, int64_t qtype) {
   format_of(rows16_of(int(qtype)), &packed);
   const int64_t n = blocks.size(0), per_row = blocks.size(1) / file.block_bytes;
   const int64_t out_row_bytes = per_row * packed.block_bytes, groups = n / kGroupRows;
-  at::Tensor out = at::empty({n, out_row_bytes}, blocks.options());
+  at::Tensor out = empty_huge({n, out_row_bytes}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t block_bytes = kGroupRows * packed.block_bytes;
@@ -231,7 +232,7 @@ at::Tensor pack_rows16_matrix(const at::Tensor& blocks, int64_t qtype) {
 
 at::Tensor pack_q4_k_x_matrix(const at::Tensor& blocks) {
   const int64_t n = blocks.size(0), per_row = blocks.size(1) / 144;
-  at::Tensor out = at::empty({n, per_row * 148}, blocks.options());
+  at::Tensor out = empty_huge({n, per_row * 148}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, n * per_row, 256, [&](int64_t begin, int64_t end) {

@@ -86,6 +86,7 @@ def kind_of(event: FunctionEvent) -> str:
 def profile_steps(engine: LLMEngine, steps: int) -> tuple[float, dict[str, float]]:
     """(wall ms per step, ms per step by kind)."""
     decoder.paged_attention = with_attention_range(attention.paged_attention)  # type: ignore[attr-defined]
+    decoder.attend = with_attention_range(attention.attend)  # type: ignore[attr-defined]
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             started = time.perf_counter()
@@ -94,6 +95,7 @@ def profile_steps(engine: LLMEngine, steps: int) -> tuple[float, dict[str, float
             wall = (time.perf_counter() - started) * 1e3 / steps
     finally:
         decoder.paged_attention = attention.paged_attention  # type: ignore[attr-defined]
+        decoder.attend = attention.attend  # type: ignore[attr-defined]
     kinds = {"GEMMs": 0.0, "attention": 0.0, "other ops": 0.0}
     for event in prof.events():
         if event.name != ATTENTION_RANGE and event.device_type.name == "CPU":

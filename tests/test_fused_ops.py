@@ -109,6 +109,44 @@ def test_a_rows_result_does_not_depend_on_its_batch(rows: int) -> None:
         )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads", [(1, 12, 2), (5, 4, 4), (70, 14, 2)])
+def test_rope_write_kv_equals_apply_rope_and_write_kv(
+    dtype: torch.dtype, tokens: int, heads: int, kv_heads: int
+) -> None:
+    """Bit for bit the eager rotation and cache write, from the qkv GEMM's split (a strided
+    view), to random slots of a pool; the slots it does not write keep their values."""
+    from engine.model.attention import write_kv
+    from engine.model.decoder import apply_rope
+
+    dim, block, blocks = 64, 16, 12
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+    qk, v = qk.view(tokens, heads + kv_heads, dim), v.view(tokens, kv_heads, dim)
+    angles = torch.rand(tokens, 1, dim, generator=g) * 6.3
+    cos, sin = angles.cos().to(dtype), (angles.sin() * torch.where(torch.arange(dim) < dim // 2, -1.0, 1.0)).to(dtype)
+    slots = torch.randperm(blocks * block, generator=g)[:tokens]
+    pool = torch.randn(kv_heads, blocks, block, dim, generator=g).to(dtype)
+    k_ref, v_ref, k_out, v_out = pool.clone(), pool.clone() * 2, pool.clone(), pool.clone() * 2
+
+    q_ref, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=1)
+    write_kv(k_ref, v_ref, k, v, slots)
+    q = fused_ops.rope_write_kv(qk, v, cos, sin, k_out, v_out, slots, heads)
+
+    assert q.shape == (tokens, heads, dim) and q.is_contiguous()
+    assert torch.equal(q, q_ref)
+    assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
+
+
+def test_rope_write_kv_rejects_a_slot_outside_the_pool() -> None:
+    qk, v = torch.randn(1, 3, 8), torch.randn(1, 1, 8)
+    cos, sin = torch.ones(1, 1, 8), torch.zeros(1, 1, 8)
+    pool = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        fused_ops.rope_write_kv(qk, v, cos, sin, pool, pool.clone(), torch.tensor([8]), 2)
+
+
 def test_the_ops_trace_under_torch_compile() -> None:
     def layer(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
         h, total = fused_ops.add_rmsnorm(x, r, w, 1e-6, torch.float32)

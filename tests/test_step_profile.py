@@ -21,3 +21,4 @@ def test_a_decode_step_splits_into_kinds_that_add_up(tiny_model_dir: Path) -> No
     assert kinds["GEMMs"] > 0 and kinds["attention"] > 0 and kinds["other ops"] > 0
     assert abs(sum(kinds.values()) - wall) < 0.05 * wall or kinds["host"] == 0.0
     assert step_profile.decoder.paged_attention is step_profile.attention.paged_attention
+    assert step_profile.decoder.attend is step_profile.attention.attend

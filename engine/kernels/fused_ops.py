@@ -76,6 +76,33 @@ def silu_mul(
     return out
 
 
+def rope_write_kv(
+    qk: torch.Tensor,  # [T, heads + kv_heads, D]: each token's heads contiguous
+    v: torch.Tensor,  # [T, kv_heads, D]
+    cos: torch.Tensor,  # [T, 1, D]
+    signed_sin: torch.Tensor,  # [T, 1, D]: sin with its first half negated
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, D]
+    v_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+    heads: int,
+) -> torch.Tensor:  # [T, heads, D]: the rotated queries
+    """The rotary embedding of queries and keys, and the rotated keys and the values written to
+    their cache slots, in one pass (decoder.apply_rope + attention.write_kv, same roundings)."""
+    q: torch.Tensor = torch.ops.specserve_kernels.rope_write_kv(
+        qk, v, cos, signed_sin, k_cache, v_cache, slot_mapping, heads
+    )
+    return q
+
+
+def rope_kv_usable(qk: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (
+        usable(qk)
+        and qk.dtype == k_cache.dtype
+        and k_cache.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    )
+
+
 # ---------------------------------------------------------------------------- references
 
 
@@ -112,6 +139,19 @@ def _register_fakes() -> None:
         isa: str = "",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return x.new_empty(x.shape, dtype=out_dtype), torch.empty_like(residual)
+
+    @torch.library.register_fake("specserve_kernels::rope_write_kv")  # type: ignore[untyped-decorator]
+    def _(
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        heads: int,
+    ) -> torch.Tensor:
+        return qk.new_empty(qk.shape[0], heads, qk.shape[2])
 
     @torch.library.register_fake("specserve_kernels::silu_mul")  # type: ignore[untyped-decorator]
     def _(

@@ -232,6 +232,17 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    return attend(q, k_cache, v_cache, meta, scale)
+
+
+def attend(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]: this pass's K written
+    v_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+    """paged_attention after the new tokens' K/V are in the pool (written by the caller)."""
     outs = [_group_attention(q, k_cache, v_cache, g, scale) for g in meta.groups]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 

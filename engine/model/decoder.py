@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.kernels import fused_ops
-from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.attention import AttentionMetadata, attend, paged_attention
 from engine.model.quant.formats import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -203,8 +203,12 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        q, k = apply_rope(qk, *rope).split([s.num_heads, s.num_kv_heads], dim=1)  # one rotation
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if fused_ops.rope_kv_usable(qk, kv_cache[0]):  # rotate and write K/V in one pass
+            q = fused_ops.rope_write_kv(qk, v, *rope, *kv_cache, meta.slot_mapping, s.num_heads)
+            out = attend(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        else:
+            q, k = apply_rope(qk, *rope).split([s.num_heads, s.num_kv_heads], dim=1)
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return gemm_unrounded(self.o_proj, out)  # the next norm rounds it
 
 

@@ -4,6 +4,10 @@
 //   add_rmsnorm(x [M, H], residual [M, H], weight [H], eps, out_dtype) -> (out [M, H], sum [M, H])
 //     (x may be float32 not yet rounded to the model dtype: a GEMM's output, rounded here first)
 //   silu_mul(gate_up [M, 2I], dtype, out_dtype) -> [M, I]
+//   rope_write_kv(qk [T, H + KVH, D], v [T, KVH, D], cos [T, 1, D], sin [T, 1, D], k_cache,
+//                 v_cache, slots [T], H) -> q [T, H, D]
+//     (the rotary embedding of the queries and keys, and the keys and values written to their
+//     cache slots: what apply_rope, split and write_kv do in six ops and three passes)
 //
 // Numerics are those of engine/model/decoder.py's eager ops in the model dtype T (float32 or
 // bfloat16), rounding where they round: the residual sum to T; the norm in float32, its result
@@ -448,6 +452,75 @@ at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType dtype, at::ScalarT
   return out;
 }
 
+// ---------------------------------------------------------------------------- rope_write_kv
+
+// x * cos + roll(x, D / 2) * sin per head row, with the eager ops' roundings: each product
+// rounded to T, then their sum (sin is the table with its first half negated, so the roll is
+// rotate_half). Query heads go to q, key heads to their cache slot, and v is copied to its slot.
+template <typename T>
+void rope_write_kv_rows(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const at::Tensor& slots, int64_t heads, at::Tensor& q) {
+  const int64_t tokens = qk.size(0), all_heads = qk.size(1), dim = qk.size(2), half = dim / 2;
+  const int64_t kv_heads = all_heads - heads, num_blocks = k_cache.size(1), block = k_cache.size(2);
+  const T* src = qk.data_ptr<T>();
+  const T* vs = v.data_ptr<T>();
+  const T* cs = cos.data_ptr<T>();
+  const T* sn = sin.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  T* qo = q.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t qk_stride = qk.stride(0), v_stride = v.stride(0);
+  // a thread takes 64 tokens at least: a decode batch runs on the calling thread
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cs + t * dim;
+      const T* s = sn + t * dim;
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < num_blocks * block, "rope_write_kv: slot out of range");
+      const int64_t at = slot[t];  // the token's row in each head's [num_blocks * block, D] pool
+      for (int64_t h = 0; h < all_heads; ++h) {
+        const T* x = src + t * qk_stride + h * dim;
+        T* out = h < heads ? qo + (t * heads + h) * dim : kc + ((h - heads) * num_blocks * block + at) * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          const T a = static_cast<T>(widen(x[i]) * widen(c[i]));
+          const T b = static_cast<T>(widen(x[i < half ? i + half : i - half]) * widen(s[i]));
+          out[i] = static_cast<T>(widen(a) + widen(b));
+        }
+      }
+      for (int64_t h = 0; h < kv_heads; ++h)
+        std::memcpy(vc + (h * num_blocks * block + at) * dim, vs + t * v_stride + h * dim, dim * sizeof(T));
+    }
+  });
+}
+
+at::Tensor rope_write_kv(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slots, int64_t heads) {
+  const auto dtype = qk.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rope_write_kv: float32 or bfloat16");
+  TORCH_CHECK(v.scalar_type() == dtype && cos.scalar_type() == dtype && sin.scalar_type() == dtype &&
+                  k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "rope_write_kv: one dtype for every tensor");
+  TORCH_CHECK(qk.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "rope_write_kv: qk [T, H + KVH, D], v [T, KVH, D], caches [KVH, blocks, block, D]");
+  const int64_t tokens = qk.size(0), dim = qk.size(2), kv_heads = qk.size(1) - heads;
+  TORCH_CHECK(heads > 0 && kv_heads == k_cache.size(0) && v.size(1) == kv_heads && dim % 2 == 0 &&
+                  v.size(2) == dim && k_cache.size(3) == dim && v.size(0) == tokens,
+              "rope_write_kv: head counts or head_dim mismatch");
+  TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == dim && v.stride(2) == 1 && v.stride(1) == dim,
+              "rope_write_kv: each token's heads contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_write_kv: contiguous caches");
+  const at::Tensor c = cos.contiguous().view({-1, dim}), s = sin.contiguous().view({-1, dim});
+  TORCH_CHECK(c.size(0) == tokens && s.size(0) == tokens, "rope_write_kv: one cos and sin row per token");
+  const at::Tensor sl = slots.contiguous();
+  TORCH_CHECK(sl.scalar_type() == at::kLong && sl.numel() == tokens, "rope_write_kv: one int64 slot per token");
+  at::Tensor q = at::empty({tokens, heads, dim}, qk.options());
+  if (dtype == at::kFloat) rope_write_kv_rows<float>(qk, v, c, s, k_cache, v_cache, sl, heads, q);
+  else rope_write_kv_rows<bf16>(qk, v, c, s, k_cache, v_cache, sl, heads, q);
+  return q;
+}
+
 }  // namespace
 }  // namespace fused
 }  // namespace specserve
@@ -458,10 +531,14 @@ TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {
       "add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps, ScalarType out_dtype, "
       "str isa='auto') -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up, ScalarType dtype, ScalarType out_dtype, str isa='auto') -> Tensor");
+  m.def(
+      "rope_write_kv(Tensor qk, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor slots, int heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specserve_kernels, CPU, m) {
   m.impl("rmsnorm", &specserve::fused::rmsnorm);
   m.impl("add_rmsnorm", &specserve::fused::add_rmsnorm);
   m.impl("silu_mul", &specserve::fused::silu_mul);
+  m.impl("rope_write_kv", &specserve::fused::rope_write_kv);
 }

@@ -28,11 +28,12 @@ ISAS = ["scalar"] + [
 ]
 
 
-# bfloat16 caches also have the AVX512-BF16 kernel (scores through `vdpbf16ps`)
+# bfloat16 caches also have the AVX512-BF16 kernel (scores through `vdpbf16ps`) and, with blocks
+# of 16, the AMX one (scores through `tdpbf16ps`)
 BF16_ISAS = ISAS + [
-    "avx512bf16"
-    for _ in [0]
-    if native_attention.loaded() and torch.ops.specserve_kernels.cpu_supports("avx512bf16")
+    isa
+    for isa, flag in (("avx512bf16", "avx512bf16"), ("amx", "amxbf16"))
+    if native_attention.loaded() and torch.ops.specserve_kernels.cpu_supports(flag)
 ]
 
 
@@ -105,13 +106,15 @@ def test_one_long_request_split_over_ranges(isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", BF16_ISAS)
-def test_kernel_bfloat16_close_to_gathered(isa: str) -> None:
+@pytest.mark.parametrize("ratio", [1, 2, 6, 7])
+def test_kernel_bfloat16_close_to_gathered(isa: str, ratio: int) -> None:
     """bfloat16: the same score rounding; probabilities stay float32, so only output-rounding
-    differences remain (an ulp or two of bfloat16)."""
+    differences remain (an ulp or two of bfloat16). GQA ratios 1-7: 2 to 14 query heads, so
+    a verify of 16 tokens is up to 112 rows of an item."""
     block_size, dim = 16, 64
     k_cache, v_cache = _pool(2, 200, block_size, dim, torch.bfloat16, seed=5)
     spans = _spans(5, block_size, 200, max_ctx=300, seed=6)
-    q = torch.randn(sum(s.num_tokens for s in spans), 12, dim).to(torch.bfloat16)
+    q = torch.randn(sum(s.num_tokens for s in spans), 2 * ratio, dim).to(torch.bfloat16)
     out, ref = _both(q, k_cache, v_cache, spans, block_size, isa=isa, split_tokens=32)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
@@ -155,8 +158,8 @@ def _kernel(q, k_cache, v_cache, spans, block_size, isa):  # type: ignore[no-unt
 def test_prompt_chunks_match_gathered_attention(isa: str, dtype: torch.dtype) -> None:
     """Prompt chunks (many query tiles, a prefix cached or not, GQA 6) against the padded
     attention they replace."""
-    if isa == "avx512bf16" and dtype == torch.float32:
-        pytest.skip("the bf16 kernel reads bfloat16 caches only")
+    if isa in ("avx512bf16", "amx") and dtype == torch.float32:
+        pytest.skip("the bf16 and AMX kernels read bfloat16 caches only")
     block_size, dim = 16, 128
     k_cache, v_cache = _pool(2, 120, block_size, dim, dtype, seed=11)
     for start, num_tokens in [(0, 40), (37, 70), (300, 17), (0, 200)]:
@@ -182,8 +185,8 @@ def test_a_row_is_the_same_in_a_prompt_chunk_a_verify_and_a_decode(
     """Bitwise: each row of a long prompt chunk (batched with decodes) equals the one-token
     decode of its position and the same row inside a short verify query, so speculation that
     puts drafts behind a prompt, or a chunking that differs, changes no output."""
-    if isa == "avx512bf16" and dtype == torch.float32:
-        pytest.skip("the bf16 kernel reads bfloat16 caches only")
+    if isa in ("avx512bf16", "amx") and dtype == torch.float32:
+        pytest.skip("the bf16 and AMX kernels read bfloat16 caches only")
     block_size, dim = 16, 64
     k_cache, v_cache = _pool(2, 200, block_size, dim, dtype, seed=12)
     chunk = RequestSpan(45, 60, list(range(20, 27)))

@@ -27,9 +27,11 @@
 // the query length, the tile, the batch or the threads), so a verify row equals the decode of
 // its position bit for bit; tests/test_attention_kernel.py pins it for every variant.
 //
-// ISA: AVX512-BF16 (bfloat16 caches: the scores of 16 keys at once through `vdpbf16ps` on keys
-// transposed per block), AVX512 and AVX2 block kernels, and the portable scalar one they are all
-// tested against, chosen at run time; the library itself is built for baseline x86-64.
+// ISA: AMX-BF16 (bfloat16 caches in blocks of 16: the scores of a block for 16 rows in one
+// `tdpbf16ps` per 32 dims, from the keys as stored), AVX512-BF16 (bfloat16 caches: the scores
+// of 16 keys at once through `vdpbf16ps` on keys transposed per block), AVX512 and AVX2 kernels,
+// and the portable scalar one they are all tested against, chosen at run time; the library
+// itself is built for baseline x86-64.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on its own intrinsics headers
 
 #include <ATen/Parallel.h>
@@ -46,6 +48,8 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include "isa.h"
 
 namespace specserve {
 namespace {
@@ -172,8 +176,8 @@ __attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) 
 // arithmetic (one FMA per key and lane, keys in order) is the same in any tile.
 template <int C, int RB, int CB, typename T>
 __attribute__((target("avx512f"))) inline void values_tile512(const float* p, int64_t pstride,
-                                                              const T* v, int64_t n,
-                                                              float* acc, int c0) {
+                                                              int64_t kstride, const T* v,
+                                                              int64_t n, float* acc, int c0) {
   constexpr int64_t dim = 16 * C;
   __m512 o[RB][CB];
   for (int r = 0; r < RB; ++r)
@@ -182,7 +186,7 @@ __attribute__((target("avx512f"))) inline void values_tile512(const float* p, in
     __m512 vv[CB];
     for (int c = 0; c < CB; ++c) vv[c] = load16(v + t * dim + (c0 + c) * 16);
     for (int r = 0; r < RB; ++r) {
-      const __m512 pr = _mm512_set1_ps(p[r * pstride + t]);
+      const __m512 pr = _mm512_set1_ps(p[r * pstride + t * kstride]);
       for (int c = 0; c < CB; ++c) o[r][c] = _mm512_fmadd_ps(pr, vv[c], o[r][c]);
     }
   }
@@ -256,19 +260,20 @@ struct Avx512 {
     return mx;
   }
 
+  // p[r * pstride + t * kstride]: the probability of row r for the block's key t
   template <typename T>
   __attribute__((target("avx512f"))) static void values(const float* p, int64_t pstride,
                                                         const T* v, int64_t n, int64_t rows,
-                                                        int64_t, float* acc) {
+                                                        int64_t, float* acc, int64_t kstride = 1) {
     constexpr int CB = C % 4 == 0 ? 4 : C % 2 == 0 ? 2 : 1;
     constexpr int RB = 6;
     int64_t r = 0;
     for (; r + RB <= rows; r += RB)
       for (int c0 = 0; c0 < C; c0 += CB)
-        values_tile512<C, RB, CB, T>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+        values_tile512<C, RB, CB, T>(p + r * pstride, pstride, kstride, v, n, acc + r * dim, c0);
     for (; r < rows; ++r)
       for (int c0 = 0; c0 < C; c0 += CB)
-        values_tile512<C, 1, CB, T>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+        values_tile512<C, 1, CB, T>(p + r * pstride, pstride, kstride, v, n, acc + r * dim, c0);
   }
 };
 
@@ -344,9 +349,13 @@ __attribute__((target("avx512f,avx512bf16"))) inline void scores_bf16(const int3
 
 // 16 dot products -> scores: rounded to bf16 (as the cache dtype's matmul would), then scaled;
 // lanes at and past `n` (keys the row does not see) -inf.
+__attribute__((target("avx512f,avx512bf16"))) inline __m512 round_bf16(__m512 x) {
+  return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x));
+}
+
 __attribute__((target("avx512f,avx512bf16"))) inline void store_scores(__m512 dots, float scale,
                                                                       int64_t n, float* dst) {
-  const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(dots));
+  const __m512 rounded = round_bf16(dots);
   const __mmask16 live = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
   _mm512_storeu_ps(dst, _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), live, rounded,
                                            _mm512_set1_ps(scale)));
@@ -393,6 +402,94 @@ struct Bf16 : Avx512<C> {
         std::fill(a.scores + r * a.stride() + i * a.slots + (a.nkeys[i] + 15) / 16 * 16,
                   a.scores + r * a.stride() + (i + 1) * a.slots, kNegInf);
     }
+  }
+};
+
+// ---------------------------------------------------------------------------- AMX-BF16
+
+// Tiles 0 (scores), 1 (keys) and 2 (queries), 16 rows of 64 bytes each.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile"))) inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 3; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Bf16 with the scores from the tile unit, for blocks of 16 keys: per block and 32 dims, one
+// `tdpbf16ps` multiplies the block's keys as stored (A: 16 keys x 32 dims) by the queries'
+// dim pairs (B: 16 pairs x 16 rows, built once per item), so no key is transposed and one
+// instruction does what 64 `vdpbf16ps` did. The scores come out key-major (a vector is one key's
+// score for 16 rows), so the softmax runs down the keys with the rows in the lanes, and the
+// values take each probability at stride 16. Rows go 16 at a time; a row's arithmetic is the same
+// in any tile and any batch.
+template <int C>
+struct Amx : Avx512<C> {
+  static constexpr int64_t dim = 16 * C, pairs = dim / 2, chunks = dim / 32;
+
+  __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16"))) static void attend(
+      const Range<c10::BFloat16>& a, RowState st) {
+    configure_tiles();
+    for (int64_t r0 = 0; r0 < a.rows; r0 += 16) rows16(a, st, r0, std::min<int64_t>(16, a.rows - r0));
+    _tile_release();
+  }
+
+  __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16"))) static void rows16(
+      const Range<c10::BFloat16>& a, RowState st, int64_t r0, int64_t nr) {
+    alignas(64) int32_t qt[chunks][16][16];  // [32 dims][pair p][row r]: q[r][32c + 2p .. + 1]
+    const auto* q = reinterpret_cast<const int32_t*>(a.q) + r0 * pairs;
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t p = 0; p < 16; ++p)
+        for (int64_t r = 0; r < 16; ++r) qt[c][p][r] = r < nr ? q[r * pairs + 16 * c + p] : 0;
+    alignas(64) int32_t limit[16];
+    for (int64_t r = 0; r < 16; ++r) limit[r] = r < nr ? static_cast<int32_t>(a.limit[r0 + r]) : 0;
+    const __m512i lim = _mm512_load_si512(limit);
+    float* s = a.scores;  // [nblocks * 16 keys][16 rows]
+    for (int64_t i = 0; i < a.nblocks; ++i) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(1, a.k[i] + 32 * c, dim * 2);
+        _tile_loadd(2, qt[c], 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      float* block = s + i * 256;
+      _tile_stored(0, block, 64);
+      const int64_t first = a.first + i * 16;
+      for (int64_t t = 0; t < 16; ++t) {  // round, scale; -inf where a row does not see the key
+        const __mmask16 seen = t < a.nkeys[i] ? _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(int32_t(first + t))) : 0;
+        const __m512 v = _mm512_mul_ps(round_bf16(_mm512_load_ps(block + t * 16)), _mm512_set1_ps(a.scale));
+        _mm512_store_ps(block + t * 16, _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), seen, v));
+      }
+    }
+    const int64_t keys = a.nblocks * 16;
+    __m512 m = _mm512_set1_ps(kNegInf);
+    for (int64_t t = 0; t < keys; ++t) m = _mm512_max_ps(m, _mm512_load_ps(s + t * 16));
+    const __mmask16 live = _mm512_cmp_ps_mask(m, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+    const __m512 shift = _mm512_maskz_mov_ps(live, m);  // a row that sees none: all its e^ are 0
+    __m512 l = _mm512_setzero_ps();
+    for (int64_t t = 0; t < keys; ++t) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(s + t * 16), shift));
+      _mm512_store_ps(s + t * 16, e);
+      l = _mm512_add_ps(l, e);
+    }
+    alignas(64) float mv[16], lv[16];
+    _mm512_store_ps(mv, m);
+    _mm512_store_ps(lv, l);
+    std::copy_n(mv, nr, st.m + r0);
+    std::copy_n(lv, nr, st.l + r0);
+    float* acc = st.acc + r0 * dim;
+    std::fill(acc, acc + nr * dim, 0.f);
+    for (int64_t i = 0; i < a.nblocks; ++i)
+      Avx512<C>::values(s + i * 256, 1, a.v[i], a.nkeys[i], nr, dim, acc, 16);
   }
 };
 
@@ -583,7 +680,7 @@ bool has_avx512bf16() {
   return yes;
 }
 
-enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Bf16 };
+enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 
 // The AVX2 kernels by head_dim / 8; null where none is compiled.
 template <typename T>
@@ -628,20 +725,38 @@ RangeFn<c10::BFloat16> bf16_for(int64_t dim) {
   }
 }
 
+// The AMX kernels (bfloat16 caches, blocks of 16) by head_dim / 16; null where none is compiled.
+RangeFn<c10::BFloat16> amx_for(int64_t dim) {
+  switch (dim) {
+    case 64: return Amx<4>::attend;
+    case 128: return Amx<8>::attend;
+    case 256: return Amx<16>::attend;
+    default: return nullptr;
+  }
+}
+
 template <typename T>
 RangeFn<T> kernel_for(Isa isa, int64_t dim) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (isa == Isa::kAmx) return amx_for(dim);
     if (isa == Isa::kAvx512Bf16) return bf16_for(dim);
-  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) return avx512_for<T>(dim);
+  }
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16 || isa == Isa::kAmx) return avx512_for<T>(dim);
   if (isa == Isa::kAvx2) return avx2_for<T>(dim);
   return attend<Scalar, T>;
 }
 
-Isa pick(const std::string& isa, int64_t dim, bool bf16) {
+Isa pick(const std::string& isa, int64_t dim, bool bf16, int64_t block_size) {
   const bool avx512_ok = has_avx512() && avx512_for<float>(dim) != nullptr;
   const bool avx2_ok = has_avx2() && avx2_for<float>(dim) != nullptr;
   const bool bf16_ok = bf16 && has_avx512bf16() && bf16_for(dim) != nullptr;
+  const bool amx_ok = bf16_ok && block_size == 16 && amx_for(dim) != nullptr && amx_bf16_ready();
   if (isa == "scalar") return Isa::kScalar;
+  if (isa == "amx") {
+    TORCH_CHECK(amx_ok, "paged_attention: amx needs a bfloat16 cache, blocks of 16, head_dim 64, "
+                "128 or 256 and a CPU with AMX-BF16 (head_dim ", dim, ", blocks of ", block_size, ")");
+    return Isa::kAmx;
+  }
   if (isa == "avx512bf16") {
     TORCH_CHECK(bf16_ok, "paged_attention: avx512bf16 needs a bfloat16 cache and the CPU (head_dim ",
                 dim, ")");
@@ -655,8 +770,13 @@ Isa pick(const std::string& isa, int64_t dim, bool bf16) {
     TORCH_CHECK(avx2_ok, "paged_attention: avx2 unavailable (CPU or head_dim ", dim, ")");
     return Isa::kAvx2;
   }
-  TORCH_CHECK(isa == "auto", "paged_attention: isa must be auto, scalar, avx2, avx512 or avx512bf16");
-  return bf16_ok ? Isa::kAvx512Bf16 : avx512_ok ? Isa::kAvx512 : avx2_ok ? Isa::kAvx2 : Isa::kScalar;
+  TORCH_CHECK(isa == "auto",
+              "paged_attention: isa must be auto, scalar, avx2, avx512, avx512bf16 or amx");
+  return amx_ok ? Isa::kAmx
+         : bf16_ok ? Isa::kAvx512Bf16
+         : avx512_ok ? Isa::kAvx512
+         : avx2_ok ? Isa::kAvx2
+                   : Isa::kScalar;
 }
 
 // ---------------------------------------------------------------------------- the op
@@ -785,7 +905,7 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
       }
       const Range<T> a{qrows.data(), qf.data(), limit.data(), kb.data(), vb.data(), nkeys.data(),
                        it.block_begin * block_size, rows, nblocks, block_size, dim, slots, scale,
-                       scores.get(rows * nblocks * slots), kf, kt};
+                       scores.get(std::max<int64_t>(rows, 16) * nblocks * slots), kf, kt};
       kernel(a, st);
     }
   });
@@ -853,7 +973,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                        block_tables.size(1), split_tokens);
   TORCH_CHECK(p.qoffset.empty() || p.qoffset.back() + p.qlen.back() == q.size(0),
               "paged_attention: query lengths must sum to q's tokens");
-  const Isa isa = pick(isa_name, dim, q.scalar_type() == at::kBFloat16);
+  const Isa isa = pick(isa_name, dim, q.scalar_type() == at::kBFloat16, k_cache.size(2));
   std::vector<float> m(p.total_rows), l(p.total_rows), acc(p.total_rows * dim);
   at::Tensor out = at::empty_like(q);
   const float s = static_cast<float>(scale);

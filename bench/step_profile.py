@@ -2,6 +2,7 @@
 
     python -m bench.step_profile --batch 1 --context 2700           # one decode step, by kind
     python -m bench.step_profile --attention-only                   # kernel vs gathered path
+    python -m bench.step_profile --attention-only --isas avx512bf16,amx   # kernel variants, cold
 
 The step profile builds the engine (no speculation), prefills `--batch` requests of `--context`
 random tokens, then profiles `--steps` decode steps with torch.profiler and splits their time
@@ -121,12 +122,12 @@ def step_report(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- attention alone
 
 
-def attention_case(context: int, block_size: int = 16) -> tuple[torch.Tensor, ...]:
+def attention_case(context: int, rows: int = 1, block_size: int = 16) -> tuple[torch.Tensor, ...]:
     blocks = -(-context // block_size) + 1
     shape = (2, blocks, block_size, 128)
     k_cache = torch.randn(shape).to(torch.bfloat16)
     v_cache = torch.randn(shape).to(torch.bfloat16)
-    q = torch.randn(1, 12, 128).to(torch.bfloat16)
+    q = torch.randn(rows, 12, 128).to(torch.bfloat16)
     return q, k_cache, v_cache
 
 
@@ -149,7 +150,7 @@ def attention_report(args: argparse.Namespace) -> None:
     print("|---:|---:|---:|---:|---:|")
     for context in args.contexts:
         gathered, native = attention_at(context, args.repeats)
-        cold = cold_step_ms(context, args.repeats)
+        cold = cold_step_ms(context, args.repeats)["auto"]
         print(f"| {context} | {gathered:.3f} | {native:.3f} | {gathered / native:.1f}x | "
               f"{cold:.1f} ms |")  # fmt: skip
 
@@ -167,21 +168,46 @@ def attention_at(context: int, repeats: int) -> tuple[float, float]:
     return gathered, native
 
 
-def cold_step_ms(context: int, repeats: int, layers: int = 28) -> float:
-    """Median ms of one decode step's attention: `layers` layers, each with its own K/V, after
-    64 MB of other reads (a decode step streams the weights through the caches between layers)."""
-    cases = [attention_case(context) for _ in range(layers)]
+def cold_step_ms(
+    context: int, repeats: int, isas: tuple[str, ...] = ("auto",), rows: int = 1, layers: int = 28
+) -> dict[str, float]:
+    """Median ms of one decode step's attention per kernel variant (interleaved): `layers`
+    layers, each with its own K/V, after 64 MB of other reads (a decode step streams the weights
+    through the caches between layers). `rows` > 1: a verify query of that many tokens."""
+    cases = [attention_case(context, rows) for _ in range(layers)]
     table = list(range(-(-context // 16)))
-    group = AttentionMetadata.build([RequestSpan(context - 1, 1, table)], 16, cases[0][0].device).groups[0]
+    span = RequestSpan(context - rows, rows, table)
+    group = AttentionMetadata.build([span], 16, cases[0][0].device).groups[0]
+    assert group.start_pos is not None and group.query_lens is not None
     other = torch.ones(16 << 20)
-    times = []
+    times: dict[str, list[float]] = {isa: [] for isa in isas}
     for _ in range(repeats):
-        other.sum()
-        started = time.perf_counter()
-        for q, k_cache, v_cache in cases:
-            attention._native_attention(q, k_cache, v_cache, group, 128**-0.5)
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+        for isa in isas:
+            other.sum()
+            started = time.perf_counter()
+            for q, k_cache, v_cache in cases:
+                native_attention.paged_attention(
+                    q, k_cache, v_cache, group.block_tables, group.start_pos, group.query_lens,
+                    128**-0.5, isa=isa,
+                )  # fmt: skip
+            times[isa].append((time.perf_counter() - started) * 1e3)
+    return {isa: statistics.median(t) for isa, t in times.items()}
+
+
+def isa_report(args: argparse.Namespace) -> None:
+    """The cold step per kernel variant, interleaved in one process, ratios to the first."""
+    if not native_attention.available():
+        raise SystemExit("the native kernels are not built (python -m engine.kernels.build)")
+    isas = tuple(args.isas.split(","))
+    print(f"CPU: {cpu_flags()}; {args.threads} threads")
+    print(f"28 layers' attention, cold, {args.verify_rows} query token(s), 12 heads / 2 KV heads "
+          "x 128, bfloat16, blocks of 16; ms (ratio to the first variant)")  # fmt: skip
+    print("| context | " + " | ".join(isas) + " |")
+    print("|---:|" + "---:|" * len(isas))
+    for context in args.contexts:
+        ms = cold_step_ms(context, args.repeats, isas, args.verify_rows)
+        first = ms[isas[0]]
+        print(f"| {context} | " + " | ".join(f"{ms[i]:.2f} ({ms[i] / first:.2f})" for i in isas) + " |")
 
 
 def gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -205,10 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", default=[100, 1000, 2700, 8000])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--isas", help="with --attention-only: compare these kernel variants, e.g. "
+                    "avx512bf16,amx (names as native_attention.paged_attention's isa)")
+    ap.add_argument("--verify-rows", type=int, default=1, help="with --isas: query tokens")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with torch.inference_mode():
-        attention_report(args) if args.attention_only else step_report(args)
+        if args.attention_only:
+            isa_report(args) if args.isas else attention_report(args)
+        else:
+            step_report(args)
     return 0
 
 

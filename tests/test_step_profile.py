@@ -22,3 +22,12 @@ def test_a_decode_step_splits_into_kinds_that_add_up(tiny_model_dir: Path) -> No
     assert abs(sum(kinds.values()) - wall) < 0.05 * wall or kinds["host"] == 0.0
     assert step_profile.decoder.paged_attention is step_profile.attention.paged_attention
     assert step_profile.decoder.attend is step_profile.attention.attend
+
+
+def test_the_cold_attention_step_is_timed_per_kernel_variant() -> None:
+    import pytest
+
+    if not step_profile.native_attention.available():
+        pytest.skip("native kernels not built on this host")
+    ms = step_profile.cold_step_ms(40, repeats=2, isas=("auto", "scalar"), rows=3, layers=2)
+    assert set(ms) == {"auto", "scalar"} and all(v > 0 for v in ms.values())

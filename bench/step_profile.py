@@ -207,7 +207,11 @@ def isa_report(args: argparse.Namespace) -> None:
     for context in args.contexts:
         ms = cold_step_ms(context, args.repeats, isas, args.verify_rows)
         first = ms[isas[0]]
-        print(f"| {context} | " + " | ".join(f"{ms[i]:.2f} ({ms[i] / first:.2f})" for i in isas) + " |")
+        print(
+            f"| {context} | "
+            + " | ".join(f"{ms[i]:.2f} ({ms[i] / first:.2f})" for i in isas)
+            + " |"
+        )
 
 
 def gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -231,8 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", default=[100, 1000, 2700, 8000])
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--isas", help="with --attention-only: compare these kernel variants, e.g. "
-                    "avx512bf16,amx (names as native_attention.paged_attention's isa)")
+    ap.add_argument(
+        "--isas",
+        help="with --attention-only: compare these kernel variants, e.g. "
+        "avx512bf16,amx (names as native_attention.paged_attention's isa)",
+    )
     ap.add_argument("--verify-rows", type=int, default=1, help="with --isas: query tokens")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

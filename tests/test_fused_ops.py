@@ -125,7 +125,10 @@ def test_rope_write_kv_equals_apply_rope_and_write_kv(
     qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
     qk, v = qk.view(tokens, heads + kv_heads, dim), v.view(tokens, kv_heads, dim)
     angles = torch.rand(tokens, 1, dim, generator=g) * 6.3
-    cos, sin = angles.cos().to(dtype), (angles.sin() * torch.where(torch.arange(dim) < dim // 2, -1.0, 1.0)).to(dtype)
+    cos, sin = (
+        angles.cos().to(dtype),
+        (angles.sin() * torch.where(torch.arange(dim) < dim // 2, -1.0, 1.0)).to(dtype),
+    )
     slots = torch.randperm(blocks * block, generator=g)[:tokens]
     pool = torch.randn(kv_heads, blocks, block, dim, generator=g).to(dtype)
     k_ref, v_ref, k_out, v_out = pool.clone(), pool.clone() * 2, pool.clone(), pool.clone() * 2

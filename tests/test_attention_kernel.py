@@ -302,3 +302,24 @@ def test_switched_off_the_engine_keeps_the_gathered_path(
     finally:
         monkeypatch.undo()
         native_attention.available.cache_clear()
+
+
+@engine_path
+def test_speculative_greedy_equals_plain_in_bfloat16_with_head_dim_64(
+    tmp_path: Path, native_calls: list[int]
+) -> None:
+    """bfloat16, head_dim 64, blocks of 16: the caches the AVX512-BF16 and AMX kernels take (the
+    AMX one where the CPU has it). Verify rows must equal the decodes of their positions, so
+    n-gram speculation returns plain decoding's tokens exactly."""
+    from tiny import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "bf16", hidden_size=256, num_heads=4, num_kv_heads=2,
+                                intermediate_size=256, seed=3)  # fmt: skip
+    vocab = hf_model(model_dir).config.vocab_size
+    prompts = [p * 4 for p in random_prompts(4, (5, 12), vocab, seed=25)]  # n-grams to find
+    kw = dict(dtype="bfloat16", block_size=16, num_kv_blocks=64)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
+    plain = outputs(make_engine(model_dir, **kw), prompts, greedy(24))
+    spec_out = outputs(make_engine(model_dir, speculative=spec, **kw), prompts, greedy(24))
+    assert spec_out == plain
+    assert max(native_calls) > len(prompts)  # verify queries of several tokens went through it

@@ -79,7 +79,8 @@ struct Range {
   int64_t rows, nblocks, block_size, dim;
   int64_t slots;          // score slots per block: block_size rounded up to 16
   float scale;
-  float* scores;          // scratch [rows, nblocks * slots]: scores, then probabilities
+  float* scores;          // scratch [max(rows, 16), nblocks * slots]: scores, then probabilities
+                          // (row-major; the AMX kernel's key-major [nblocks * 16][16 rows])
   float* kf;              // scratch [block_size, dim]: a block's keys in float32
   int32_t* keys_t;        // scratch [slots / 16, dim / 2, 16]: the bf16 kernel's transposed keys
   int64_t stride() const { return nblocks * slots; }

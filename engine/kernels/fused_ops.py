@@ -95,12 +95,9 @@ def rope_write_kv(
 
 
 def rope_kv_usable(qk: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (
-        usable(qk)
-        and qk.dtype == k_cache.dtype
-        and k_cache.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-    )
+    """The native op runs for this layer: qk on the CPU in a fused dtype, the cache in qk's
+    dtype (on qk's device, as every layer's cache is), and no graph being traced."""
+    return usable(qk) and qk.dtype == k_cache.dtype and not torch.compiler.is_compiling()
 
 
 # ---------------------------------------------------------------------------- references

@@ -70,7 +70,7 @@ struct RowState {
 template <typename T>
 struct Range {
   const T* q;             // [rows, dim] as stored
-  const float* qf;        // [rows, dim] in float32 (kernels that score in float32)
+  float* qf;              // scratch [rows, dim]: the rows in float32 (kernels that score in it)
   const int64_t* limit;   // [rows]
   const T* const* k;      // [nblocks]: a block's keys [block_size, dim]
   const T* const* v;      // [nblocks]: its values
@@ -204,11 +204,12 @@ struct Avx512 {
   // Scores in float32: per row and key two FMA chains over the chunks, reduced.
   template <typename T>
   __attribute__((target("avx512f"))) static void scores(const Range<T>& a) {
+    const float* qf = as_f32(a.q, a.qf, a.rows * dim);
     for (int64_t i = 0; i < a.nblocks; ++i) {
-      const float* k = keys_f32(a, i);
+      const float* k = as_f32(a.k[i], a.kf, a.nkeys[i] * dim);
       for (int64_t r = 0; r < a.rows; ++r) {
         __m512 q[C];
-        for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(a.qf + r * dim + c * 16);
+        for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(qf + r * dim + c * 16);
         float* s = a.scores + r * a.stride() + i * a.slots;
         const int64_t n = a.visible(r, i);
         for (int64_t t = 0; t < n; ++t) {
@@ -225,19 +226,14 @@ struct Avx512 {
     }
   }
 
-  template <typename T>
-  __attribute__((target("avx512f"))) static const float* keys_f32(const Range<T>& a, int64_t i) {
-    if constexpr (std::is_same_v<T, float>) return a.k[i];
-    else return widen(a.k[i], a.kf, a.nkeys[i] * dim);
+  // n values in float32: float32 ones as they are, bfloat16 ones widened into dst
+  __attribute__((target("avx512f"))) static const float* as_f32(const float* src, float*, int64_t) {
+    return src;
   }
-
-  __attribute__((target("avx512f"))) static const float* widen(const c10::BFloat16* src,
-                                                               float* dst, int64_t n) {
+  __attribute__((target("avx512f"))) static const float* as_f32(const c10::BFloat16* src,
+                                                                float* dst, int64_t n) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-    }
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
     for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
     return dst;
   }
@@ -434,7 +430,7 @@ __attribute__((target("amx-tile"))) inline void configure_tiles() {
 // values take each probability at stride 16. Rows go 16 at a time; a row's arithmetic is the same
 // in any tile and any batch.
 template <int C>
-struct Amx : Avx512<C> {
+struct Amx {
   static constexpr int64_t dim = 16 * C, pairs = dim / 2, chunks = dim / 32;
 
   __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16"))) static void attend(
@@ -565,10 +561,11 @@ struct Avx2 {
 
   template <typename T>
   __attribute__((target("avx2,fma"))) static void scores(const Range<T>& a) {
+    const float* qf = as_f32(a.q, a.qf, a.rows * dim);
     for (int64_t i = 0; i < a.nblocks; ++i) {
-      const float* k = keys_f32(a, i);
+      const float* k = as_f32(a.k[i], a.kf, a.nkeys[i] * dim);
       for (int64_t r = 0; r < a.rows; ++r) {
-        const float* q = a.qf + r * dim;
+        const float* q = qf + r * dim;
         float* s = a.scores + r * a.stride() + i * a.slots;
         const int64_t n = a.visible(r, i);
         for (int64_t t = 0; t < n; ++t) {
@@ -586,19 +583,13 @@ struct Avx2 {
     }
   }
 
-  template <typename T>
-  __attribute__((target("avx2,fma"))) static const float* keys_f32(const Range<T>& a, int64_t i) {
-    if constexpr (std::is_same_v<T, float>) return a.k[i];
-    else return widen(a.k[i], a.kf, a.nkeys[i] * dim);
+  __attribute__((target("avx2,fma"))) static const float* as_f32(const float* src, float*, int64_t) {
+    return src;
   }
-
-  __attribute__((target("avx2,fma"))) static const float* widen(const c10::BFloat16* src,
-                                                                float* dst, int64_t n) {
+  __attribute__((target("avx2,fma"))) static const float* as_f32(const c10::BFloat16* src,
+                                                                 float* dst, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
     for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
     return dst;
   }
@@ -862,8 +853,7 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
   const RangeFn<T> kernel = kernel_for<T>(isa, dim);
   at::parallel_for(0, static_cast<int64_t>(p.items.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<T> qrows;
-    std::vector<float> qf;
-    Scratch<float> scores, keys_f32;
+    Scratch<float> scores, queries_f32, keys_f32;
     Scratch<int32_t> keys_t;
     float* kf = keys_f32.get(block_size * dim);
     int32_t* kt = keys_t.get(slots * dim / 2);
@@ -885,12 +875,10 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
         continue;
       }
       qrows.resize(rows * dim);
-      qf.resize(rows * dim);
       limit.resize(rows);
       for (int64_t j = it.q_begin; j < it.q_end; ++j)  // row j * group + g: query j, head h * group + g
         std::copy_n(qp + ((p.qoffset[it.b] + j) * heads + it.h * group) * dim, group * dim,
                     qrows.data() + (j - it.q_begin) * group * dim);
-      for (int64_t e = 0; e < rows * dim; ++e) qf[e] = static_cast<float>(qrows[e]);
       for (int64_t r = 0; r < rows; ++r) limit[r] = start + it.q_begin + r / group + 1;
       kb.resize(nblocks);
       vb.resize(nblocks);
@@ -904,7 +892,7 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
         vb[n] = vp + base;
         nkeys[n] = std::min(block_size, start + qn - blk * block_size);
       }
-      const Range<T> a{qrows.data(), qf.data(), limit.data(), kb.data(), vb.data(), nkeys.data(),
+      const Range<T> a{qrows.data(), queries_f32.get(rows * dim), limit.data(), kb.data(), vb.data(), nkeys.data(),
                        it.block_begin * block_size, rows, nblocks, block_size, dim, slots, scale,
                        scores.get(std::max<int64_t>(rows, 16) * nblocks * slots), kf, kt};
       kernel(a, st);

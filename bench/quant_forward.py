@@ -13,6 +13,8 @@ medians over rounds:
         --head-rows 0,32768,65536 --rows 1,2 --prefill 0   # a draft's limited head
     python -m bench.quant_forward --model bundled:qwen2.5-coder-0.5b-instruct --modes w8a8-fast \
         --head-rows 65536 --compile 0,1 --rows 1,2,4 --prefill 0   # eager against compiled
+    python -m bench.quant_forward --modes gguf --stack 0,1 --rows 1,4 --prefill 0 \
+        --rounds 5   # the Python layer loop against the native stack (decoder_stack)
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         help="0 (eager layers), 1 (DecodeGraph: one request's decode compiled), or both: 0,1",
     )
     ap.add_argument(
+        "--stack",
+        default="1",
+        help="1 (decode and verify through the native layer stack where it applies), 0 (the "
+        "Python layer loop), or both: 0,1",
+    )
+    ap.add_argument(
         "--gguf-layouts",
         default="",
         help="for mode gguf: weight layouts to compare, one runner each (tiles, rows16; '': best)",
@@ -86,17 +94,21 @@ def main(argv: list[str] | None = None) -> int:
             native.pack_layout = layout  # read as the runner's layers load
             for head in (int(h) for h in args.head_rows.split(",")):
                 for compiled in (c == "1" for c in args.compile.split(",")):
-                    name = (
-                        mode + (f" {layout}" if layout else "") + (f", head {head}" if head else "")
-                    )
-                    runners[name + (", compiled" if compiled else "")] = ModelRunner(
-                        replace(loaded, quantization=mode),
-                        "cpu",
-                        "bfloat16",
-                        16,
-                        head or None,
-                        compiled,
-                    )
+                    for stack in (c == "1" for c in args.stack.split(",")):
+                        name = (
+                            mode
+                            + (f" {layout}" if layout else "")
+                            + (f", head {head}" if head else "")
+                            + (", compiled" if compiled else "")
+                            + ("" if stack else ", Python loop")
+                        )
+                        runner = ModelRunner(
+                            replace(loaded, quantization=mode), "cpu", "bfloat16", 16,
+                            head or None, compiled,
+                        )  # fmt: skip
+                        if not stack:
+                            runner.model.native_stack = None
+                        runners[name] = runner
     native.pack_layout = ""
     blocks = -(-max(_CACHED + max(rows), args.prefill) // 16) + 1
     for runner in runners.values():

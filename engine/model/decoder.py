@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union, cast
+from typing import TYPE_CHECKING, Protocol, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +271,20 @@ _FUSED = {
 }
 
 
+class LayerStack(Protocol):
+    """run_layers done elsewhere for the forwards it accepts (engine.model.decoder_stack)."""
+
+    def accepts(self, x: torch.Tensor, meta: AttentionMetadata) -> bool: ...
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the embedded tokens
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...  # [num_tokens, hidden]: the final norm's output
+
+
 class DecoderModel(nn.Module):
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
@@ -286,6 +300,8 @@ class DecoderModel(nn.Module):
         self.rotary: Rotary | None = None
         # the layer stack as a compiled graph where it fits the batch (engine.model.decode_graph)
         self.compiled_layers: Callable[..., torch.Tensor] | None = None
+        # the layer stack in one native call for decode and verify forwards (decoder_stack)
+        self.native_stack: LayerStack | None = None
         # token ids the head scores: the first head_rows, then head_extra (all of them by default)
         self.head_rows = shape.vocab_size
         self.head_extra: list[int] = []
@@ -321,6 +337,8 @@ class DecoderModel(nn.Module):
         assert self.rotary is not None, "call init_rotary first"
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
+        if self.native_stack is not None and self.native_stack.accepts(x, meta):
+            return self.native_stack(x, rope, kv_caches, meta)
         run_layers = self.compiled_layers or self.run_layers
         return run_layers(x, rope, kv_caches, meta)
 

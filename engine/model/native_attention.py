@@ -24,7 +24,7 @@ import torch
 _DTYPES = (torch.float32, torch.bfloat16)
 # head_dims the SIMD kernels are compiled for (attention.cpp `avx512_for`, `avx2_for`); elsewhere,
 # and on a CPU without AVX2, only the scalar reference would run: the gathered path is faster.
-_SIMD_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+SIMD_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
 
 def enabled() -> bool:
@@ -52,7 +52,7 @@ def usable(q: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu"
         and q.dtype in _DTYPES
-        and q.shape[-1] in _SIMD_HEAD_DIMS
+        and q.shape[-1] in SIMD_HEAD_DIMS
         and not torch.compiler.is_compiling()
         and available()
     )

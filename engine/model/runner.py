@@ -10,7 +10,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.kernels.memory import empty_huge
-from engine.model import native_attention
+from engine.model import decoder_stack, native_attention
 from engine.model.attention import AttentionMetadata, RequestSpan
 from engine.model.decode_graph import DecodeGraph
 from engine.model.decoder import DecoderModel, KVCache
@@ -253,6 +253,8 @@ def _build_model(
         shard_decoder(model, tp)
         model = model.to(device)
     model.init_rotary(loaded.hf_config, device)
+    if tp is None:
+        model.native_stack = decoder_stack.build(model)
     _return_freed_memory()
     return model.eval()
 

@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "ops.h"
 
 namespace specserve {
 namespace {
@@ -939,6 +940,8 @@ void merge(const Batch& p, int64_t heads, int64_t kv_heads, int64_t dim, const f
   });
 }
 
+}  // namespace
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& start_pos, const at::Tensor& query_lens,
@@ -978,7 +981,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
-}  // namespace
 }  // namespace specserve
 
 TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {

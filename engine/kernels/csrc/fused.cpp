@@ -42,6 +42,8 @@
 #include <tuple>
 #include <type_traits>
 
+#include "ops.h"
+
 #define SPECSERVE_INLINE __attribute__((always_inline)) inline
 
 namespace specserve {
@@ -397,6 +399,8 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight) {
               "fused ops: weight must be [H]");
 }
 
+}  // namespace
+
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps,
                    at::ScalarType out_dtype, const std::string& isa) {
   check_rows(x, weight);
@@ -425,6 +429,8 @@ std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Te
   return {out, sum};
 }
 
+namespace {
+
 template <typename In, typename T>
 void dispatch_silu(const SiluArgs& a, at::ScalarType out_dtype, Isa isa) {
   if (out_dtype == at::kFloat) return run_silu<In, T, float>(a, isa);
@@ -432,6 +438,8 @@ void dispatch_silu(const SiluArgs& a, at::ScalarType out_dtype, Isa isa) {
               "fused ops: out_dtype must be float32 or dtype");
   run_silu<In, T, T>(a, isa);
 }
+
+}  // namespace
 
 at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType dtype, at::ScalarType out_dtype,
                     const std::string& isa) {
@@ -457,6 +465,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType dtype, at::ScalarT
 // x * cos + roll(x, D / 2) * sin per head row, with the eager ops' roundings: each product
 // rounded to T, then their sum (sin is the table with its first half negated, so the roll is
 // rotate_half). Query heads go to q, key heads to their cache slot, and v is copied to its slot.
+namespace {
+
 template <typename T>
 void rope_write_kv_rows(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -494,6 +504,8 @@ void rope_write_kv_rows(const at::Tensor& qk, const at::Tensor& v, const at::Ten
   });
 }
 
+}  // namespace
+
 at::Tensor rope_write_kv(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                          const at::Tensor& slots, int64_t heads) {
@@ -521,7 +533,6 @@ at::Tensor rope_write_kv(const at::Tensor& qk, const at::Tensor& v, const at::Te
   return q;
 }
 
-}  // namespace
 }  // namespace fused
 }  // namespace specserve
 

@@ -31,6 +31,7 @@
 
 #include "gguf_blocks.h"
 #include "memory.h"
+#include "ops.h"
 
 namespace specserve::gguf {
 namespace {

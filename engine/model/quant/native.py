@@ -61,7 +61,7 @@ class GgufKernel:
         self.blocks, self.qtype = gguf_ops.pack(
             weight.blocks.contiguous(), weight.qtype, layout=pack_layout
         )
-        self.dense_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        self.dense_dtype = _dense_dtype(dtype)
         if (
             self.dense_dtype not in _dense_from
             and weight.blocks.shape[0] * weight.in_features >= _MEASURE_MIN_VALUES
@@ -97,6 +97,16 @@ class GgufKernel:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.blocks]
+
+
+def _dense_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def native_chunk_limit(dtype: torch.dtype) -> int:
+    """A model in `dtype` runs every chunk shorter than this on the native kernel; a longer one
+    may run dense."""
+    return _dense_from.get(_dense_dtype(dtype), NEVER)
 
 
 _forward = threading.local()  # the chunks of the forward running on this thread

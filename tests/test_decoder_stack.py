@@ -4,6 +4,7 @@ bit for bit, in float32 and bfloat16; used by the engine where it applies and no
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -61,10 +62,12 @@ def _both_ways(
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stack_equals_the_python_loop_for_decodes_and_verify_queries(
-    tiny_gguf: Path, dtype: str
+    tiny_gguf: Path, dtype: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    runner = _runner(tiny_gguf, dtype)
+    with caplog.at_level(logging.INFO, logger="specserve.engine"):
+        runner = _runner(tiny_gguf, dtype)
     assert runner.model.native_stack is not None
+    assert any("3 layers in one native call" in r.getMessage() for r in caplog.records)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 300, (40,), generator=gen).tolist()
     runner.forward([ForwardInput(prompt, 0, [0, 1, 2, 3], 1)])  # a prompt: the Python loop

@@ -15,6 +15,7 @@ Python loop. `SPECSERVE_DECODER_STACK=0` turns it off.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,8 @@ from engine.model.quant.native import GgufKernel, native_chunk_limit
 
 if TYPE_CHECKING:
     from engine.model.decoder import DecoderLayer, DecoderModel, KVCache
+
+log = logging.getLogger("specserve.engine")
 
 # read once; benchmarks flip it to compare the two loops in one process
 ENABLED = os.environ.get("SPECSERVE_DECODER_STACK", "1") not in ("0", "false", "off")
@@ -81,6 +84,9 @@ def build(model: DecoderModel) -> NativeStack | None:
         return None
     if not all(_gguf_only(linear) for layer in _layers(model) for linear in _linears(layer)):
         return None
+    log.info(
+        "decode and verify forwards: %d layers in one native call (DecoderStack)", s.num_layers
+    )
     return NativeStack(model)
 
 

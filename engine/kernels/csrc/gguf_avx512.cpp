@@ -277,16 +277,6 @@ inline __m512 load_halves(const uint8_t* p) {  // 16 f16 -> 16 floats
   return _mm512_cvtph_ps(load256(p));
 }
 
-// Step i of n over a super-block of `bytes`: ask for the matching share of the super-block two
-// ahead (the next group's first ones past a group's end), so its lines arrive while this one is
-// multiplied; the hardware prefetchers stop at each 4 KiB page.
-// (Streaming 10 Q4_K 17920 x 1536 matrices, 159 MB, at one row: 1.48 -> 1.10 ms a matrix.)
-inline void prefetch_ahead(const uint8_t* block, int bytes, int i, int n) {
-  const int lines = (bytes + 63) / 64, per_step = (lines + n - 1) / n;
-  const uint8_t* ahead = block + 2 * bytes;
-  for (int l = i * per_step; l < std::min(lines, (i + 1) * per_step); ++l) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T0);
-}
-
 // 4 x 4 values of 16 columns (w[0..3]) times 16 activations: int32 per column.
 inline __m512i dot16(const __m512i* w, const int8_t* x) {
   __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(x));

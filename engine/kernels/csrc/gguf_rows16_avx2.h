@@ -202,9 +202,7 @@ void rows16_group(const TileArgs& a) {
   const int block_bytes = kGroupRows * format.block_bytes;
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* block = group + b * block_bytes;
-    // the block two ahead (past a group's end, the next group's): the hardware prefetchers
-    // stop at each 4 KiB page
-    for (int l = 0; l < block_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(block + 2 * block_bytes + l), _MM_HINT_T0);
+    prefetch_ahead(block, block_bytes, 0, 1);
     for (int h = 0; h < 2; ++h) {
       if constexpr (QType == Q6_K_R16) q6_k_r16_half<Rows, Vnni>(block, h, b, a.acts, acc);
       else if constexpr (QType == Q4_K_R16) q4_k_r16_half<Rows, Vnni>(block, h, b, a.acts, acc);

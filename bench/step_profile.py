@@ -3,6 +3,8 @@
     python -m bench.step_profile --batch 1 --context 2700           # one decode step, by kind
     python -m bench.step_profile --attention-only                   # kernel vs gathered path
     python -m bench.step_profile --attention-only --isas avx512bf16,amx   # kernel variants, cold
+    python -m bench.step_profile --quantization gguf --bandwidth --context 100 --steps 15
+        # decode steps against the memory bandwidth bound, measured in turn
 
 The step profile builds the engine (no speculation), prefills `--batch` requests of `--context`
 random tokens, then profiles `--steps` decode steps with torch.profiler and splits their time
@@ -35,6 +37,7 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.model import attention, decoder, native_attention
 from engine.model.attention import AttentionMetadata, RequestSpan
+from engine.model.quant.native import GgufKernel
 from engine.sample.sampling_params import SamplingParams
 
 ATTENTION_RANGE = "step_profile.attention"
@@ -222,6 +225,62 @@ def gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return attention._short_attention(qg, keys, values, group.mask, scale)
 
 
+# ---------------------------------------------------------------------------- the bandwidth bound
+
+
+def read_gbs(buf: torch.Tensor, repeats: int = 5) -> float:
+    """GB/s a reduction reads from `buf`, far larger than the caches (../shared/tools/membw.py's
+    measure: the best of a sum and a max, median of `repeats`)."""
+    best = 0.0
+    for op in (torch.sum, torch.amax):
+        op(buf)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            op(buf)
+            times.append(time.perf_counter() - started)
+        best = max(best, buf.numel() * buf.element_size() / statistics.median(times) / 1e9)
+    return best
+
+
+def streamed_bytes(engine: LLMEngine) -> int:
+    """Bytes of weights a decode step reads: every native GGUF matrix (the head's too; the
+    embedding table is only looked up)."""
+    kernels = []
+    for module in engine.target.model.modules():
+        kernels += list(getattr(module, "kernels", None) or [])
+        kernels += [getattr(module, "head", None)]
+    return sum(k.blocks.numel() for k in kernels if isinstance(k, GgufKernel))
+
+
+def bandwidth_report(args: argparse.Namespace) -> None:
+    """Decode steps against the memory bandwidth bound, measured in turn: each round reads
+    1 GiB by a reduction before and after `--steps` decode steps, and the share is the bound's
+    step time (the weights' bytes at that bandwidth) over the median step."""
+    engine = engine_for(args)
+    start_decoding(engine, args.batch, args.context, args.steps * args.rounds + 8)
+    buf = torch.ones(2**30 // 4)
+    nbytes = streamed_bytes(engine)
+    print(f"CPU: {cpu_flags()}; {args.threads} threads")
+    print(f"{args.model} {args.quantization}, batch {args.batch}, context {args.context}: "
+          f"{nbytes / 1e9:.3f} GB of weights a step")  # fmt: skip
+    print("| round | GB/s read | bound ms | step ms | share of the bound |")
+    print("|---:|---:|---:|---:|---:|")
+    shares = []
+    for r in range(args.rounds):
+        before = read_gbs(buf)
+        times = []
+        for _ in range(args.steps):
+            started = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - started) * 1e3)
+        gbs = (before + read_gbs(buf)) / 2
+        bound, step = nbytes / gbs / 1e6, statistics.median(times)
+        shares.append(bound / step)
+        print(f"| {r + 1} | {gbs:.1f} | {bound:.1f} | {step:.1f} | {100 * bound / step:.0f}% |")
+    print(f"median share: {100 * statistics.median(shares):.0f}%")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bundled:qwen2.5-coder-1.5b-instruct")
@@ -241,10 +300,18 @@ def main(argv: list[str] | None = None) -> int:
         "avx512bf16,amx (names as native_attention.paged_attention's isa)",
     )
     ap.add_argument("--verify-rows", type=int, default=1, help="with --isas: query tokens")
+    ap.add_argument(
+        "--bandwidth",
+        action="store_true",
+        help="decode steps against the memory bandwidth bound (--rounds of --steps steps)",
+    )
+    ap.add_argument("--rounds", type=int, default=6, help="with --bandwidth")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with torch.inference_mode():
-        if args.attention_only:
+        if args.bandwidth:
+            bandwidth_report(args)
+        elif args.attention_only:
             isa_report(args) if args.isas else attention_report(args)
         else:
             step_report(args)

@@ -284,18 +284,19 @@ inline __m512i dot16(const __m512i* w, const int8_t* x) {
   return sum;
 }
 
-// One group of 16 columns x Rows rows, Q4_K_R16.
+// One group of 16 columns x Rows rows, Q4_K_R16. The columns' d and dmin multiply their
+// sub-block scales and mins once for all rows, so each row keeps one accumulator
+// (16 rows: 16 zmm, no spills) and pays no per-block multiply of its own.
 template <int Rows>
 void q4_k_r16_group(const TileArgs& a) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i low_half = _mm512_set1_epi32(0xFFFF);
   const uint8_t* group = a.weights + a.n_begin * a.weight_row_bytes;
-  __m512 acc[Rows];
+  __m512 acc[Rows];  // [16 columns] per row
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* block = group + b * (16 * 148);
-    __m512 scaled[Rows];  // [16 columns] per row: sum over sub-blocks of scale * (q . x)
-    for (int r = 0; r < Rows; ++r) scaled[r] = _mm512_setzero_ps();
+    const __m512 d = load_halves(block);
     for (int s = 0; s < 8; ++s) {
       prefetch_ahead(block, 16 * 148, s, 8);
       __m512i w[8];  // w[t]: values 32s + 4t .. + 3 of the 16 columns
@@ -304,47 +305,47 @@ void q4_k_r16_group(const TileArgs& a) {
         w[c] = _mm512_and_si512(v, nibble);
         w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
-      const __m512 scale = _mm512_cvtepi32_ps(
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * s))));
+      const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * s)))));
 #pragma GCC unroll 16  // GCC leaves a loop, and the sums in memory, past 8 rows otherwise
       for (int r = 0; r < Rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b + 32 * s;
         const float* xd = a.acts[r].d + 64 * b + 8 * s;  // groups 2s, 2s + 1: xd[0], xd[4]
         __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(dot16(w, x)), _mm512_set1_ps(xd[0]));
         sub = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot16(w + 4, x + 16)), _mm512_set1_ps(xd[4]), sub);
-        scaled[r] = _mm512_fmadd_ps(sub, scale, scaled[r]);
+        acc[r] = _mm512_fmadd_ps(sub, scale, acc[r]);
       }
     }
-    __m512 mins[8];  // column j's min of sub-block s (stored in pairs 2p, 2p + 1 per int16 lane)
+    __m512 mins[8];  // column j's dmin * min of sub-block s (stored in pairs 2p, 2p + 1 per int16)
+    const __m512 dmin = load_halves(block + 32);
     for (int p = 0; p < 4; ++p) {
       const __m512i pair = _mm512_cvtepu8_epi16(load256(block + 192 + 32 * p));
-      mins[2 * p] = _mm512_cvtepi32_ps(_mm512_and_si512(pair, low_half));
-      mins[2 * p + 1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16));
+      mins[2 * p] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_and_si512(pair, low_half)));
+      mins[2 * p + 1] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 16)));
     }
-    const __m512 d = load_halves(block), dmin = load_halves(block + 32);
     for (int r = 0; r < Rows; ++r) {
       const float* dsums = a.acts[r].dsums32 + 8 * b;
       __m512 low = _mm512_mul_ps(mins[0], _mm512_set1_ps(dsums[0]));
       for (int s = 1; s < 8; ++s) low = _mm512_fmadd_ps(mins[s], _mm512_set1_ps(dsums[s]), low);
-      acc[r] = _mm512_fmadd_ps(scaled[r], d, acc[r]);
-      acc[r] = _mm512_fnmadd_ps(low, dmin, acc[r]);
+      acc[r] = _mm512_sub_ps(acc[r], low);
     }
   }
   for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(a.out + r * a.out_stride + a.n_begin, acc[r]);
 }
 
-// One group of 16 columns x Rows rows, Q6_K_R16.
+// One group of 16 columns x Rows rows, Q6_K_R16. The columns' d multiplies their group scales once
+// per group for all rows; per row, the -32 of q comes off the group's sum before its one scale:
+// (d_x * sum(q x) - 32 * d_x * sum(x)) * (d * scale).
 template <int Rows>
 void q6_k_r16_group(const TileArgs& a) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i top = _mm512_set1_epi8(0x30);
   const uint8_t* group = a.weights + a.n_begin * a.weight_row_bytes;
-  __m512 acc[Rows];
+  __m512 acc[Rows];  // [16 columns] per row
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* block = group + b * (16 * 210);
-    __m512 scaled[Rows];  // [16 columns] per row: sum over groups of scale * (q - 32) . x
-    for (int r = 0; r < Rows; ++r) scaled[r] = _mm512_setzero_ps();
+    const __m512 d = load_halves(block);
     for (int g = 0; g < 16; ++g) {
       prefetch_ahead(block, 16 * 210, g, 16);
       const uint8_t* values = block + 288 + 192 * g;
@@ -359,19 +360,17 @@ void q6_k_r16_group(const TileArgs& a) {
       };
       // scales are stored in int16-able pairs (groups 2p, 2p + 1): pick this group's half
       const __m512i pair = _mm512_cvtepi8_epi16(load256(block + 32 + 32 * (g / 2)));
-      const __m512 scale = _mm512_cvtepi32_ps(
-          g % 2 ? _mm512_srai_epi32(pair, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16));
-      const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(32.0f));  // the -32 of q
+      const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+          g % 2 ? _mm512_srai_epi32(pair, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16)));
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) {
         const int8_t* x = a.acts[r].q + 256 * b + 16 * g;
-        const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(dot16(w, x)), _mm512_set1_ps(a.acts[r].d[64 * b + 4 * g]));
-        scaled[r] = _mm512_fmadd_ps(sum, scale, scaled[r]);
-        scaled[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(a.acts[r].dsums16[16 * b + g]), scaled[r]);
+        const __m512 offset = _mm512_set1_ps(32.0f * a.acts[r].dsums16[16 * b + g]);  // exact: a power of 2
+        const __m512 xd = _mm512_set1_ps(a.acts[r].d[64 * b + 4 * g]);
+        const __m512 sum = _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot16(w, x)), xd, offset);
+        acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
       }
     }
-    const __m512 d = load_halves(block);
-    for (int r = 0; r < Rows; ++r) acc[r] = _mm512_fmadd_ps(scaled[r], d, acc[r]);
   }
   for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(a.out + r * a.out_stride + a.n_begin, acc[r]);
 }

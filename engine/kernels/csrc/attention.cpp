@@ -21,7 +21,8 @@
 // Numerics follow engine/model/attention.py's eager path: a score is the dot product rounded to
 // the cache dtype, then scaled; the softmax runs in float32. Unlike that path the
 // probabilities are not rounded to bfloat16 before multiplying V (they are not normalized until
-// the merge); the output is rounded once, at the end.
+// the merge), except in the AVX512-BF16 variant, whose values pass takes them as bf16 pairs
+// through `vdpbf16ps`; the output is rounded once, at the end.
 //
 // Batch invariance: a row's arithmetic depends on its own position and context only (never on
 // the query length, the tile, the batch or the threads), so a verify row equals the decode of
@@ -29,7 +30,8 @@
 //
 // ISA: AMX-BF16 (bfloat16 caches in blocks of 16: the scores of a block for 16 rows in one
 // `tdpbf16ps` per 32 dims, from the keys as stored), AVX512-BF16 (bfloat16 caches: the scores
-// of 16 keys at once through `vdpbf16ps` on keys transposed per block), AVX512 and AVX2 kernels,
+// of 16 keys at once through `vdpbf16ps` on keys transposed per block, the values two keys an
+// instruction through it too), AVX512 and AVX2 kernels,
 // and the portable scalar one they are all tested against, chosen at run time; the library
 // itself is built for baseline x86-64.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on its own intrinsics headers
@@ -372,6 +374,53 @@ __attribute__((target("avx512f,avx512bf16"))) inline void rows_bf16(
                  a.scores + (r + j) * a.stride() + i * a.slots + t0);
 }
 
+// Probabilities of keys t, t + 1 of RB rows' block as bf16 pairs (one int32 each, what
+// `vdpbf16ps` multiplies against a pair of value rows), rounded to nearest even.
+template <int RB>
+__attribute__((target("avx512f,avx512bf16"))) inline void probability_pairs(const float* p, int64_t pstride,
+                                                                           int32_t pairs[RB][8]) {
+  for (int r = 0; r < RB; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs[r]),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * pstride)));
+}
+
+// RB rows x CB chunks of 32 dims over the n keys (n <= 16) of one block, two keys per
+// `vdpbf16ps`: a value pair interleaves rows t and t + 1 by `vpunpck[lh]wd`, so accumulator lo
+// of a chunk holds dims 8j + 0..3 and hi dims 8j + 4..7 (j the 128-bit lane), the order acc is
+// kept in until the range ends (Bf16::unpermute). A missing key t + 1 (odd n) reads as zeros.
+template <int C, int RB, int CB>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void values_pairs(
+    const int32_t pairs[][8], const c10::BFloat16* v, int64_t n, float* acc, int c0) {
+  constexpr int64_t dim = 16 * C;
+  __m512 lo[RB][CB], hi[RB][CB];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) {
+      lo[r][c] = _mm512_loadu_ps(acc + r * dim + (c0 + c) * 32);
+      hi[r][c] = _mm512_loadu_ps(acc + r * dim + (c0 + c) * 32 + 16);
+    }
+  for (int64_t t = 0; t < n; t += 2) {
+    __m512bh vlo[CB], vhi[CB];
+    for (int c = 0; c < CB; ++c) {
+      const __m512i a = _mm512_loadu_si512(v + t * dim + (c0 + c) * 32);
+      const __m512i b = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * dim + (c0 + c) * 32) : _mm512_setzero_si512();
+      vlo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      vhi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(pairs[r][t / 2]);
+      for (int c = 0; c < CB; ++c) {
+        lo[r][c] = _mm512_dpbf16_ps(lo[r][c], vlo[c], pr);
+        hi[r][c] = _mm512_dpbf16_ps(hi[r][c], vhi[c], pr);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) {
+      _mm512_storeu_ps(acc + r * dim + (c0 + c) * 32, lo[r][c]);
+      _mm512_storeu_ps(acc + r * dim + (c0 + c) * 32 + 16, hi[r][c]);
+    }
+}
+
 // Avx512 for a bfloat16 cache on a CPU with AVX512-BF16: the scores come from the keys as
 // stored through `vdpbf16ps` (16 keys in the lanes, transposed once per block for all rows),
 // rounded to bf16 and scaled as the other kernels do; the softmax and the values are Avx512's.
@@ -401,7 +450,50 @@ struct Bf16 : Avx512<C> {
                   a.scores + r * a.stride() + (i + 1) * a.slots, kNegInf);
     }
   }
+
+  // The values through `vdpbf16ps`, two keys an instruction (values_pairs), 16 keys at a time;
+  // acc is left in values_pairs' lane order (unpermute puts it back).
+  __attribute__((target("avx512f,avx512bw,avx512bf16"))) static void values(
+      const float* p, int64_t pstride, const c10::BFloat16* v, int64_t n, int64_t rows, int64_t,
+      float* acc) {
+    static_assert(C % 2 == 0, "head_dim a multiple of 32");
+    constexpr int RB = 6, CB = C % 4 == 0 ? 2 : 1;
+    int32_t pairs[RB][8];
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {  // p's slots come in 16s: the loads stay in the row
+      const int64_t keys = std::min<int64_t>(16, n - t0);
+      const c10::BFloat16* vt = v + t0 * dim;
+      int64_t r = 0;
+      for (; r + RB <= rows; r += RB) {
+        probability_pairs<RB>(p + r * pstride + t0, pstride, pairs);
+        for (int c0 = 0; c0 < C / 2; c0 += CB) values_pairs<C, RB, CB>(pairs, vt, keys, acc + r * dim, c0);
+      }
+      for (; r < rows; ++r) {
+        probability_pairs<1>(p + r * pstride + t0, pstride, pairs);
+        for (int c0 = 0; c0 < C / 2; c0 += CB) values_pairs<C, 1, CB>(pairs, vt, keys, acc + r * dim, c0);
+      }
+    }
+  }
+
+  // acc rows from values_pairs' lane order back to dims in order.
+  static void unpermute(float* acc, int64_t rows) {
+    float row[dim];
+    for (int64_t r = 0; r < rows; ++r) {
+      float* a = acc + r * dim;
+      for (int64_t c = 0; c < dim; c += 32)
+        for (int j = 0; j < 16; ++j) {
+          row[c + 8 * (j / 4) + j % 4] = a[c + j];
+          row[c + 8 * (j / 4) + 4 + j % 4] = a[c + 16 + j];
+        }
+      std::copy(row, row + dim, a);
+    }
+  }
 };
+
+// Kernels whose values leave acc in their own lane order, put back by K::unpermute.
+template <class K>
+constexpr bool kPermutedAcc = false;
+template <int C>
+constexpr bool kPermutedAcc<Bf16<C>> = true;
 
 // ---------------------------------------------------------------------------- AMX-BF16
 
@@ -642,6 +734,7 @@ void attend(const Range<T>& a, RowState st) {
   std::fill(st.acc, st.acc + a.rows * a.dim, 0.f);
   for (int64_t i = 0; i < a.nblocks; ++i)
     K::values(a.scores + i * a.slots, a.stride(), a.v[i], a.nkeys[i], a.rows, a.dim, st.acc);
+  if constexpr (kPermutedAcc<K>) K::unpermute(st.acc, a.rows);
 }
 
 // ---------------------------------------------------------------------------- dispatch

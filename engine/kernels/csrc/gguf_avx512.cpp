@@ -286,7 +286,7 @@ inline __m512i dot16(const __m512i* w, const int8_t* x) {
 
 // One group of 16 columns x Rows rows, Q4_K_R16. The columns' d and dmin multiply their
 // sub-block scales and mins once for all rows, so each row keeps one accumulator
-// (16 rows: 16 zmm, no spills) and pays no per-block multiply of its own.
+// (16 rows: 16 of the 32 zmm) and pays no per-block multiply of its own.
 template <int Rows>
 void q4_k_r16_group(const TileArgs& a) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);

@@ -96,7 +96,7 @@ struct Range {
 // Ask L2 for the next block's keys and this block's values (read by the values pass, after
 // the softmax) while block i is scored: the pool's blocks are scattered, so the hardware
 // prefetcher stops at each block's end. Cold (28 layers' own K/V, one request, Zen 4), the
-// AVX512-BF16 variant took 1.3-1.6x less time with it (docs/ATTENTION.md).
+// variants took 0.70-0.95x their time with it at 2,700 and 8,000 tokens (docs/BENCHMARKS.md).
 template <typename T>
 inline void prefetch_blocks(const Range<T>& a, int64_t i) {
   const auto ask = [&](const T* p, int64_t keys) {

@@ -438,7 +438,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void values_pairs(
 
 // Avx512 for a bfloat16 cache on a CPU with AVX512-BF16: the scores come from the keys as
 // stored through `vdpbf16ps` (16 keys in the lanes, transposed once per block for all rows),
-// rounded to bf16 and scaled as the other kernels do; the softmax and the values are Avx512's.
+// rounded to bf16 and scaled as the other kernels do; the softmax is Avx512's, the values its
+// own (two keys a `vdpbf16ps`, below).
 template <int C>
 struct Bf16 : Avx512<C> {
   static constexpr int64_t dim = 16 * C, pairs = dim / 2;

@@ -47,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -67,6 +68,31 @@ struct RowState {
   float* acc;  // [rows, dim]
 };
 
+// The lines a range will read next, asked of L2 as the kernel reads: each `advance(bytes)`
+// asks for as many bytes ahead as the kernel has just read, so the memory system streams the
+// next blocks while this one is computed. The pool's blocks are scattered 4 KB runs, so the
+// hardware prefetcher stops at each block's end. A whole block's prefetches at once (what this
+// replaced) helped little on Zen 4: the core stalls on a burst of 64 misses. Spread over the
+// block's loads, the same lines took 0.64-0.68x the burst's time for a decode at 2,700 and 8,000
+// tokens, 0.78x for a 4-token verify (cold, 28 layers; docs/ATTENTION.md).
+struct Feed {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  // What to read next (the rest of the last queue asked at once, a rare leftover).
+  void queue(const void* p, int64_t bytes) {
+    advance(end - next);
+    next = static_cast<const char*>(p);
+    end = next + bytes;
+  }
+  void advance(int64_t bytes) {
+    for (; bytes > 0 && next < end; bytes -= 64, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
+// Blocks ahead of the one being read that the feed asks for: two measured best on Zen 4 (one
+// and three within 5%, six 15% slower).
+constexpr int64_t kFeedBlocks = 2;
+
 // What an item's kernels read: `rows` query rows against the blocks of one range of a request's
 // context. Keys at positions < limit[r] are visible to row r (its causal limit); a block's slots
 // past its keys, and keys a row does not see, score -inf.
@@ -86,6 +112,9 @@ struct Range {
                           // (row-major; the AMX kernel's key-major [nblocks * 16][16 rows])
   float* kf;              // scratch [block_size, dim]: a block's keys in float32
   int32_t* keys_t;        // scratch [slots / 16, dim / 2, 16]: the bf16 kernel's transposed keys
+  Feed* feed;             // the thread's prefetch queue
+  bool fed;               // the first kFeedBlocks blocks' keys are asked for (by the last range)
+  const T* then[kFeedBlocks];  // the thread's next range's first key blocks (null: none)
   int64_t stride() const { return nblocks * slots; }
   // Keys of block i row r sees: a prefix of the block.
   int64_t visible(int64_t r, int64_t i) const {
@@ -93,18 +122,26 @@ struct Range {
   }
 };
 
-// Ask L2 for the next block's keys and this block's values (read by the values pass, after
-// the softmax) while block i is scored: the pool's blocks are scattered, so the hardware
-// prefetcher stops at each block's end. Cold (28 layers' own K/V, one request, Zen 4), the
-// variants took 0.70-0.95x their time with it at 2,700 and 8,000 tokens (docs/BENCHMARKS.md).
+// The scores pass reads the keys block by block, then the values pass the values: while block
+// i's scores are computed, the feed brings in block i + kFeedBlocks's keys, past the last block
+// the first values; while block i's values are added, block i + kFeedBlocks's values, past the
+// last block the keys the thread reads next (its next range's first blocks).
 template <typename T>
-inline void prefetch_blocks(const Range<T>& a, int64_t i) {
-  const auto ask = [&](const T* p, int64_t keys) {
-    const char* c = reinterpret_cast<const char*>(p);
-    for (int64_t off = 0; off < keys * a.dim * int64_t(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
-  };
-  if (i + 1 < a.nblocks) ask(a.k[i + 1], a.nkeys[i + 1]);
-  ask(a.v[i], a.nkeys[i]);
+inline void feed_scores(const Range<T>& a, int64_t i) {
+  const auto bytes = [&](int64_t j) { return a.nkeys[j] * a.dim * int64_t(sizeof(T)); };
+  if (i == 0 && !a.fed)
+    for (int64_t j = 1; j < std::min(kFeedBlocks, a.nblocks); ++j) a.feed->queue(a.k[j], bytes(j));
+  const int64_t j = i + kFeedBlocks;
+  if (j < a.nblocks) a.feed->queue(a.k[j], bytes(j));
+  else if (j - a.nblocks < a.nblocks) a.feed->queue(a.v[j - a.nblocks], bytes(j - a.nblocks));
+}
+
+template <typename T>
+inline void feed_values(const Range<T>& a, int64_t i) {
+  const int64_t j = i + kFeedBlocks;
+  if (j < a.nblocks) a.feed->queue(a.v[j], a.nkeys[j] * a.dim * int64_t(sizeof(T)));
+  else if (j - a.nblocks < kFeedBlocks && a.then[j - a.nblocks] != nullptr)
+    a.feed->queue(a.then[j - a.nblocks], a.block_size * a.dim * int64_t(sizeof(T)));
 }
 
 // A score as the eager path computes it: the dot product rounded to the cache dtype, then scaled.
@@ -149,7 +186,7 @@ struct Scalar {
   // acc[r] += sum over the block's keys t of p[r][t] * v[t]
   template <typename T>
   static void values(const float* p, int64_t pstride, const T* v, int64_t n, int64_t rows,
-                     int64_t dim, float* acc) {
+                     int64_t dim, float* acc, Feed&) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t t = 0; t < n; ++t)
         for (int64_t d = 0; d < dim; ++d)
@@ -195,7 +232,8 @@ __attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) 
 template <int C, int RB, int CB, typename T>
 __attribute__((target("avx512f"))) inline void values_tile512(const float* p, int64_t pstride,
                                                               int64_t kstride, const T* v,
-                                                              int64_t n, float* acc, int c0) {
+                                                              int64_t n, float* acc, int c0,
+                                                              Feed& feed) {
   constexpr int64_t dim = 16 * C;
   __m512 o[RB][CB];
   for (int r = 0; r < RB; ++r)
@@ -203,6 +241,7 @@ __attribute__((target("avx512f"))) inline void values_tile512(const float* p, in
   for (int64_t t = 0; t < n; ++t) {
     __m512 vv[CB];
     for (int c = 0; c < CB; ++c) vv[c] = load16(v + t * dim + (c0 + c) * 16);
+    feed.advance(CB * 16 * sizeof(T));
     for (int r = 0; r < RB; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r * pstride + t * kstride]);
       for (int c = 0; c < CB; ++c) o[r][c] = _mm512_fmadd_ps(pr, vv[c], o[r][c]);
@@ -223,7 +262,7 @@ struct Avx512 {
   __attribute__((target("avx512f"))) static void scores(const Range<T>& a) {
     const float* qf = as_f32(a.q, a.qf, a.rows * dim);
     for (int64_t i = 0; i < a.nblocks; ++i) {
-      prefetch_blocks(a, i);
+      feed_scores(a, i);
       const float* k = as_f32(a.k[i], a.kf, a.nkeys[i] * dim);
       for (int64_t r = 0; r < a.rows; ++r) {
         __m512 q[C];
@@ -231,6 +270,7 @@ struct Avx512 {
         float* s = a.scores + r * a.stride() + i * a.slots;
         const int64_t n = a.visible(r, i);
         for (int64_t t = 0; t < n; ++t) {
+          if (r == 0) a.feed->advance(dim * sizeof(T));  // a key read
           __m512 s0 = _mm512_mul_ps(q[0], _mm512_loadu_ps(k + t * dim));
           __m512 s1 = _mm512_setzero_ps();
           for (int c = 1; c < C; ++c) {
@@ -279,16 +319,17 @@ struct Avx512 {
   template <typename T>
   __attribute__((target("avx512f"))) static void values(const float* p, int64_t pstride,
                                                         const T* v, int64_t n, int64_t rows,
-                                                        int64_t, float* acc, int64_t kstride = 1) {
+                                                        int64_t, float* acc, Feed& feed,
+                                                        int64_t kstride = 1) {
     constexpr int CB = C % 4 == 0 ? 4 : C % 2 == 0 ? 2 : 1;
     constexpr int RB = 6;
     int64_t r = 0;
     for (; r + RB <= rows; r += RB)
       for (int c0 = 0; c0 < C; c0 += CB)
-        values_tile512<C, RB, CB, T>(p + r * pstride, pstride, kstride, v, n, acc + r * dim, c0);
+        values_tile512<C, RB, CB, T>(p + r * pstride, pstride, kstride, v, n, acc + r * dim, c0, feed);
     for (; r < rows; ++r)
       for (int c0 = 0; c0 < C; c0 += CB)
-        values_tile512<C, 1, CB, T>(p + r * pstride, pstride, kstride, v, n, acc + r * dim, c0);
+        values_tile512<C, 1, CB, T>(p + r * pstride, pstride, kstride, v, n, acc + r * dim, c0, feed);
   }
 };
 
@@ -326,15 +367,17 @@ __attribute__((target("avx512f"))) inline void transpose16(__m512i r[16]) {
 // Keys past nkeys read as zero (their scores are masked).
 template <int64_t kPairs>
 __attribute__((target("avx512f"))) void transpose_keys(const c10::BFloat16* k, int64_t nkeys,
-                                                       int32_t* keys_t) {
+                                                       int32_t* keys_t, Feed& feed) {
   static_assert(kPairs % 16 == 0, "head_dim a multiple of 32");
   for (int64_t t0 = 0; t0 < nkeys; t0 += 16) {
     int32_t* out = keys_t + (t0 / 16) * kPairs * 16;
     for (int64_t p0 = 0; p0 < kPairs; p0 += 16) {
       __m512i r[16];
-      for (int t = 0; t < 16; ++t)
+      for (int t = 0; t < 16; ++t) {
+        feed.advance(64);
         r[t] = t0 + t < nkeys ? _mm512_loadu_si512(k + (t0 + t) * 2 * kPairs + 2 * p0)
                               : _mm512_setzero_si512();
+      }
       transpose16(r);
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (p0 + i) * 16, r[i]);
     }
@@ -405,7 +448,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline void probability_pairs(cons
 // kept in until the range ends (Bf16::unpermute). A missing key t + 1 (odd n) reads as zeros.
 template <int C, int RB, int CB>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void values_pairs(
-    const int32_t pairs[][8], const c10::BFloat16* v, int64_t n, float* acc, int c0) {
+    const int32_t pairs[][8], const c10::BFloat16* v, int64_t n, float* acc, int c0, Feed& feed) {
   constexpr int64_t dim = 16 * C;
   __m512 lo[RB][CB], hi[RB][CB];
   for (int r = 0; r < RB; ++r)
@@ -414,6 +457,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void values_pairs(
       hi[r][c] = _mm512_loadu_ps(acc + r * dim + (c0 + c) * 32 + 16);
     }
   for (int64_t t = 0; t < n; t += 2) {
+    feed.advance(2 * CB * 64);  // two keys' CB chunks of 32 dims
     __m512bh vlo[CB], vhi[CB];
     for (int c = 0; c < CB; ++c) {
       const __m512i a = _mm512_loadu_si512(v + t * dim + (c0 + c) * 32);
@@ -447,8 +491,8 @@ struct Bf16 : Avx512<C> {
   __attribute__((target("avx512f,avx512bf16"))) static void scores(const Range<c10::BFloat16>& a) {
     const auto* q_pairs = reinterpret_cast<const int32_t*>(a.q);
     for (int64_t i = 0; i < a.nblocks; ++i) {
-      prefetch_blocks(a, i);
-      transpose_keys<pairs>(a.k[i], a.nkeys[i], a.keys_t);
+      feed_scores(a, i);
+      transpose_keys<pairs>(a.k[i], a.nkeys[i], a.keys_t, *a.feed);
       for (int64_t t0 = 0; t0 < a.nkeys[i]; t0 += 16) {
         const int32_t* kt = a.keys_t + (t0 / 16) * pairs * 16;
         for (int64_t r = 0; r < a.rows; r += 6) {
@@ -472,7 +516,7 @@ struct Bf16 : Avx512<C> {
   // acc is left in values_pairs' lane order (unpermute puts it back).
   __attribute__((target("avx512f,avx512bw,avx512bf16"))) static void values(
       const float* p, int64_t pstride, const c10::BFloat16* v, int64_t n, int64_t rows, int64_t,
-      float* acc) {
+      float* acc, Feed& feed) {
     static_assert(C % 2 == 0, "head_dim a multiple of 32");
     constexpr int RB = 6, CB = C % 4 == 0 ? 2 : 1;
     int32_t pairs[RB][8];
@@ -482,11 +526,11 @@ struct Bf16 : Avx512<C> {
       int64_t r = 0;
       for (; r + RB <= rows; r += RB) {
         probability_pairs<RB>(p + r * pstride + t0, pstride, pairs);
-        for (int c0 = 0; c0 < C / 2; c0 += CB) values_pairs<C, RB, CB>(pairs, vt, keys, acc + r * dim, c0);
+        for (int c0 = 0; c0 < C / 2; c0 += CB) values_pairs<C, RB, CB>(pairs, vt, keys, acc + r * dim, c0, feed);
       }
       for (; r < rows; ++r) {
         probability_pairs<1>(p + r * pstride + t0, pstride, pairs);
-        for (int c0 = 0; c0 < C / 2; c0 += CB) values_pairs<C, 1, CB>(pairs, vt, keys, acc + r * dim, c0);
+        for (int c0 = 0; c0 < C / 2; c0 += CB) values_pairs<C, 1, CB>(pairs, vt, keys, acc + r * dim, c0, feed);
       }
     }
   }
@@ -596,7 +640,7 @@ struct Amx {
     float* acc = st.acc + r0 * dim;
     std::fill(acc, acc + nr * dim, 0.f);
     for (int64_t i = 0; i < a.nblocks; ++i)
-      Avx512<C>::values(s + i * 256, 1, a.v[i], a.nkeys[i], nr, dim, acc, 16);
+      Avx512<C>::values(s + i * 256, 1, a.v[i], a.nkeys[i], nr, dim, acc, *a.feed, 16);
   }
 };
 
@@ -647,7 +691,7 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const c10::BFloat16* p) 
 template <int C, int RB, int CB, typename T>
 __attribute__((target("avx2,fma"))) inline void values_tile256(const float* p, int64_t pstride,
                                                                const T* v, int64_t n,
-                                                               float* acc, int c0) {
+                                                               float* acc, int c0, Feed& feed) {
   constexpr int64_t dim = 8 * C;
   __m256 o[RB][CB];
   for (int r = 0; r < RB; ++r)
@@ -655,6 +699,7 @@ __attribute__((target("avx2,fma"))) inline void values_tile256(const float* p, i
   for (int64_t t = 0; t < n; ++t) {
     __m256 vv[CB];
     for (int c = 0; c < CB; ++c) vv[c] = load8(v + t * dim + (c0 + c) * 8);
+    feed.advance(CB * 8 * sizeof(T));
     for (int r = 0; r < RB; ++r) {
       const __m256 pr = _mm256_broadcast_ss(p + r * pstride + t);
       for (int c = 0; c < CB; ++c) o[r][c] = _mm256_fmadd_ps(pr, vv[c], o[r][c]);
@@ -673,13 +718,14 @@ struct Avx2 {
   __attribute__((target("avx2,fma"))) static void scores(const Range<T>& a) {
     const float* qf = as_f32(a.q, a.qf, a.rows * dim);
     for (int64_t i = 0; i < a.nblocks; ++i) {
-      prefetch_blocks(a, i);
+      feed_scores(a, i);
       const float* k = as_f32(a.k[i], a.kf, a.nkeys[i] * dim);
       for (int64_t r = 0; r < a.rows; ++r) {
         const float* q = qf + r * dim;
         float* s = a.scores + r * a.stride() + i * a.slots;
         const int64_t n = a.visible(r, i);
         for (int64_t t = 0; t < n; ++t) {
+          if (r == 0) a.feed->advance(dim * sizeof(T));  // a key read
           __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k + t * dim));
           __m256 s1 = _mm256_setzero_ps();
           for (int c = 1; c < C; ++c) {
@@ -727,16 +773,16 @@ struct Avx2 {
   template <typename T>
   __attribute__((target("avx2,fma"))) static void values(const float* p, int64_t pstride,
                                                          const T* v, int64_t n, int64_t rows,
-                                                         int64_t, float* acc) {
+                                                         int64_t, float* acc, Feed& feed) {
     constexpr int CB = C % 2 == 0 ? 2 : 1;
     constexpr int RB = 4;
     int64_t r = 0;
     for (; r + RB <= rows; r += RB)
       for (int c0 = 0; c0 < C; c0 += CB)
-        values_tile256<C, RB, CB, T>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+        values_tile256<C, RB, CB, T>(p + r * pstride, pstride, v, n, acc + r * dim, c0, feed);
     for (; r < rows; ++r)
       for (int c0 = 0; c0 < C; c0 += CB)
-        values_tile256<C, 1, CB, T>(p + r * pstride, pstride, v, n, acc + r * dim, c0);
+        values_tile256<C, 1, CB, T>(p + r * pstride, pstride, v, n, acc + r * dim, c0, feed);
   }
 };
 
@@ -750,8 +796,10 @@ void attend(const Range<T>& a, RowState st) {
   for (int64_t r = 0; r < a.rows; ++r)
     st.m[r] = K::softmax(a.scores + r * a.stride(), a.stride(), st.l + r);
   std::fill(st.acc, st.acc + a.rows * a.dim, 0.f);
-  for (int64_t i = 0; i < a.nblocks; ++i)
-    K::values(a.scores + i * a.slots, a.stride(), a.v[i], a.nkeys[i], a.rows, a.dim, st.acc);
+  for (int64_t i = 0; i < a.nblocks; ++i) {
+    feed_values(a, i);
+    K::values(a.scores + i * a.slots, a.stride(), a.v[i], a.nkeys[i], a.rows, a.dim, st.acc, *a.feed);
+  }
   if constexpr (kPermutedAcc<K>) K::unpermute(st.acc, a.rows);
 }
 
@@ -963,14 +1011,23 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const RangeFn<T> kernel = kernel_for<T>(isa, dim);
+  // where block n of an item's range starts in each cache; null past the item's last block
+  const auto block = [&](const Item& it, int64_t n) -> std::optional<int64_t> {
+    if (it.block_begin + n >= it.block_end) return std::nullopt;
+    const int64_t id = tp[it.b * max_blocks + it.block_begin + n];
+    TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention: block id out of range");
+    return ((it.h * num_blocks) + id) * block_size * dim;
+  };
   at::parallel_for(0, static_cast<int64_t>(p.items.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<T> qrows;
     Scratch<float> scores, queries_f32, keys_f32;
     Scratch<int32_t> keys_t;
+    Feed feed;
     float* kf = keys_f32.get(block_size * dim);
     int32_t* kt = keys_t.get(slots * dim / 2);
     std::vector<int64_t> limit, nkeys;
     std::vector<const T*> kb, vb;
+    bool fed = false;
     for (int64_t i = lo; i < hi; ++i) {
       const Item& it = p.items[i];
       const int64_t qn = p.qlen[it.b], start = p.start[it.b];
@@ -996,18 +1053,20 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
       vb.resize(nblocks);
       nkeys.resize(nblocks);
       for (int64_t n = 0; n < nblocks; ++n) {
-        const int64_t blk = it.block_begin + n;
-        const int64_t id = tp[it.b * max_blocks + blk];
-        TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention: block id out of range");
-        const int64_t base = ((it.h * num_blocks) + id) * block_size * dim;
+        const int64_t base = *block(it, n);
         kb[n] = kp + base;
         vb[n] = vp + base;
-        nkeys[n] = std::min(block_size, start + qn - blk * block_size);
+        nkeys[n] = std::min(block_size, start + qn - (it.block_begin + n) * block_size);
       }
-      const Range<T> a{qrows.data(), queries_f32.get(rows * dim), limit.data(), kb.data(), vb.data(), nkeys.data(),
-                       it.block_begin * block_size, rows, nblocks, block_size, dim, slots, scale,
-                       scores.get(std::max<int64_t>(rows, 16) * nblocks * slots), kf, kt};
+      Range<T> a{qrows.data(), queries_f32.get(rows * dim), limit.data(), kb.data(), vb.data(), nkeys.data(),
+                 it.block_begin * block_size, rows, nblocks, block_size, dim, slots, scale,
+                 scores.get(std::max<int64_t>(rows, 16) * nblocks * slots), kf, kt, &feed, fed, {}};
+      for (int64_t n = 0; n < kFeedBlocks && i + 1 < hi; ++n) {
+        const std::optional<int64_t> next = block(p.items[i + 1], n);
+        a.then[n] = next ? kp + *next : nullptr;
+      }
       kernel(a, st);
+      fed = i + 1 < hi && nblocks >= kFeedBlocks;
     }
   });
 }

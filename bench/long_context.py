@@ -13,6 +13,11 @@ of 512. Time to first token is the prompt's wall time; decode tok/s is (tokens -
 prompt again, a prefix-cache hit; llama.cpp: its state saved after the prompt and restored). The batch row runs --batch requests of the first context >= 1,000 at once and
 reports their aggregate decode tok/s while all of them decode, against one request's. Prints the
 CPU's flags.
+
+Decode at a long context against decode at the first is a ratio of two figures taken minutes
+apart, and a shared host's load moves in minutes. `--paired` measures it again with the load
+shared: a second engine decodes the first context while this one decodes each longer one, a
+step of each in turn, and the ratio is the median over pairs of the two steps' times.
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ def specserve_runs(
 
 def specserve_table(
     args: argparse.Namespace,
-) -> tuple[dict[int, Run], float | None, list[list[int]]]:
+) -> tuple[dict[int, Run], float | None, list[list[int]], LLMEngine]:
     config = EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
         num_threads=args.threads, max_num_seqs=max(16, args.batch),
@@ -110,7 +115,47 @@ def specserve_table(
         aggregate = all_decoding_rate([s for _, s in runs])
         batch_ratio = aggregate / table[long].decode_tok_s
         print(f"  aggregate {aggregate:.1f} tok/s", file=sys.stderr)
-    return table, batch_ratio, prompts
+    return table, batch_ratio, prompts, engine
+
+
+def paired_ratios(
+    args: argparse.Namespace, engine: LLMEngine, prompts: list[list[int]]
+) -> dict[int, tuple[float, float, float]]:
+    """Per longer context: (median, first quartile, third quartile) of the first context's
+    step time over its own, decode steps of the two alternating (the first context on an engine
+    of its own; `engine` holds the longer prompts in its prefix cache)."""
+    config = engine.config
+    short = LLMEngine(config)
+    pairs = args.max_tokens
+    params = SamplingParams(max_tokens=pairs * len(prompts) + 8, temperature=0.0, ignore_eos=True)
+    short.add_request("paired-short", prompts[0], params)
+    ratios = {}
+    for n, prompt in zip(args.contexts[1:], prompts[1:], strict=True):
+        print(f"specserve: {n} tokens paired with {args.contexts[0]}", file=sys.stderr)
+        engine.add_request(f"paired-{n}", prompt, SamplingParams(
+            max_tokens=pairs + 8, temperature=0.0, ignore_eos=True))  # fmt: skip
+        while not all(decoding(e) for e in (short, engine)):  # prompts in first
+            for e in (short, engine):
+                if not decoding(e):
+                    e.step()
+        ratio = [timed_step(short) / timed_step(engine) for _ in range(pairs)]
+        engine.abort(f"paired-{n}")
+        q1, median, q3 = statistics.quantiles(ratio, n=4)
+        ratios[n] = (median, q1, q3)
+    short.abort("paired-short")
+    return ratios
+
+
+def decoding(engine: LLMEngine) -> bool:
+    """Every request of the engine is past its prompt."""
+    s = engine.scheduler
+    return not s.waiting and all(seq.num_uncomputed_tokens <= 1 for seq in s.running)
+
+
+def timed_step(engine: LLMEngine) -> float:
+    started = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - started
 
 
 def llamacpp_table(args: argparse.Namespace, prompts: list[list[int]]) -> dict[int, Run]:
@@ -157,11 +202,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="requests at once (1: skip)")
     ap.add_argument("--peer", choices=["llamacpp", "none"], default="llamacpp")
     ap.add_argument(
+        "--paired", action="store_true",
+        help="also measure each context's decode against the first's with steps alternating",
+    )  # fmt: skip
+    ap.add_argument(
         "--repeats", type=int, default=1,
         help="decode each context this many times (the prompt's cache kept) and report the median",
     )  # fmt: skip
     args = ap.parse_args(argv)
-    ours, batch_ratio, prompts = specserve_table(args)
+    ours, batch_ratio, prompts, engine = specserve_table(args)
+    paired = paired_ratios(args, engine, prompts) if args.paired else {}
+    del engine
     gc.collect()
     theirs = llamacpp_table(args, prompts) if args.peer == "llamacpp" else {}
     print(f"CPU: {cpu_flags()}; {args.threads} threads; {args.model} ({args.quantization})")
@@ -175,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
             f"| {n} | {run.ttft_s:.2f} | {peer.ttft_s if peer else float('nan'):.2f} "
             f"| {run.decode_tok_s:.2f} | {peer.decode_tok_s if peer else float('nan'):.2f} "
             f"| {run.decode_tok_s / first:.2f} |"
+        )
+    for n, (median, q1, q3) in paired.items():
+        print(
+            f"decode at {n} / decode at {args.contexts[0]}, steps paired: {median:.3f} "
+            f"(quartiles {q1:.3f}-{q3:.3f})"
         )
     if batch_ratio is not None:
         print(f"{args.batch} requests at once: aggregate decode {batch_ratio:.1f}x one request's")

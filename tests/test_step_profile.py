@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from bench import step_profile
 
 
@@ -25,8 +27,6 @@ def test_a_decode_step_splits_into_kinds_that_add_up(tiny_model_dir: Path) -> No
 
 
 def test_the_cold_attention_step_is_timed_per_kernel_variant() -> None:
-    import pytest
-
     if not step_profile.native_attention.available():
         pytest.skip("native kernels not built on this host")
     ms = step_profile.cold_step_ms(40, repeats=2, isas=("auto", "scalar"), rows=3, layers=2)
@@ -34,9 +34,8 @@ def test_the_cold_attention_step_is_timed_per_kernel_variant() -> None:
 
 
 def test_the_bandwidth_share_counts_every_native_matrix(
-    tmp_path: Path, capsys: "pytest.CaptureFixture[str]"
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import pytest
     from gguf import GGMLQuantizationType as T
     from gguf_blocks import write_random_gguf
     from tiny import make_tiny_model

@@ -1,11 +1,16 @@
-"""What the in-process benchmarks share: the engine's settings as flags, and the CPU they ran on."""
+"""What the in-process benchmarks share: the engine's settings as flags, the CPU they ran on, and
+when an engine's requests are all past their prompts."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.core.llm_engine import LLMEngine
 
 BUNDLED_TARGET = "bundled:qwen2.5-coder-1.5b-instruct"
 # The SIMD flags the kernels choose by, as /proc/cpuinfo names them.
@@ -30,6 +35,12 @@ def add_engine_args(
     ap.add_argument("--quantization", default=quantization)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--kv-cache-gib", type=float, default=kv_cache_gib)
+
+
+def decoding(engine: LLMEngine) -> bool:
+    """Every request of the engine is past its prompt (none waits, none has a chunk left)."""
+    s = engine.scheduler
+    return not s.waiting and all(seq.num_uncomputed_tokens <= 1 for seq in s.running)
 
 
 def cpu_flags() -> str:

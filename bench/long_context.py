@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.engine_args import add_engine_args, cpu_flags
+from bench.engine_args import add_engine_args, cpu_flags, decoding
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.sample.sampling_params import SamplingParams
@@ -144,12 +144,6 @@ def paired_ratios(
         ratios[n] = (median, q1, q3)
     short.abort("paired-short")
     return ratios
-
-
-def decoding(engine: LLMEngine) -> bool:
-    """Every request of the engine is past its prompt."""
-    s = engine.scheduler
-    return not s.waiting and all(seq.num_uncomputed_tokens <= 1 for seq in s.running)
 
 
 def timed_step(engine: LLMEngine) -> float:

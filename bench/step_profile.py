@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.autograd.profiler_util import FunctionEvent
 
-from bench.engine_args import cpu_flags
+from bench.engine_args import cpu_flags, decoding
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.model import attention, decoder, native_attention
@@ -64,9 +64,7 @@ def start_decoding(engine: LLMEngine, batch: int, context: int, steps: int) -> N
     for b in range(batch):
         prompt = [rng.randrange(3, min(20000, engine.target.vocab_size)) for _ in range(context)]
         engine.add_request(f"profile-{b}", prompt, params)
-    while engine.scheduler.waiting or any(
-        s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
-    ):
+    while not decoding(engine):
         engine.step()
 
 

@@ -116,6 +116,8 @@ struct Range {
   bool fed;               // the first kFeedBlocks blocks' keys are asked for (by the last range)
   const T* then[kFeedBlocks];  // the thread's next range's first key blocks (null: none)
   int64_t stride() const { return nblocks * slots; }
+  // Bytes of block i's keys (or values) the range reads.
+  int64_t bytes(int64_t i) const { return nkeys[i] * dim * int64_t(sizeof(T)); }
   // Keys of block i row r sees: a prefix of the block.
   int64_t visible(int64_t r, int64_t i) const {
     return std::clamp<int64_t>(limit[r] - (first + i * block_size), 0, nkeys[i]);
@@ -128,18 +130,17 @@ struct Range {
 // last block the keys the thread reads next (its next range's first blocks).
 template <typename T>
 inline void feed_scores(const Range<T>& a, int64_t i) {
-  const auto bytes = [&](int64_t j) { return a.nkeys[j] * a.dim * int64_t(sizeof(T)); };
   if (i == 0 && !a.fed)
-    for (int64_t j = 1; j < std::min(kFeedBlocks, a.nblocks); ++j) a.feed->queue(a.k[j], bytes(j));
+    for (int64_t j = 1; j < std::min(kFeedBlocks, a.nblocks); ++j) a.feed->queue(a.k[j], a.bytes(j));
   const int64_t j = i + kFeedBlocks;
-  if (j < a.nblocks) a.feed->queue(a.k[j], bytes(j));
-  else if (j - a.nblocks < a.nblocks) a.feed->queue(a.v[j - a.nblocks], bytes(j - a.nblocks));
+  if (j < a.nblocks) a.feed->queue(a.k[j], a.bytes(j));
+  else if (j - a.nblocks < a.nblocks) a.feed->queue(a.v[j - a.nblocks], a.bytes(j - a.nblocks));
 }
 
 template <typename T>
 inline void feed_values(const Range<T>& a, int64_t i) {
   const int64_t j = i + kFeedBlocks;
-  if (j < a.nblocks) a.feed->queue(a.v[j], a.nkeys[j] * a.dim * int64_t(sizeof(T)));
+  if (j < a.nblocks) a.feed->queue(a.v[j], a.bytes(j));
   else if (j - a.nblocks < kFeedBlocks && a.then[j - a.nblocks] != nullptr)
     a.feed->queue(a.then[j - a.nblocks], a.block_size * a.dim * int64_t(sizeof(T)));
 }
@@ -1041,6 +1042,7 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
         std::fill(st.m, st.m + rows, kNegInf);
         std::fill(st.l, st.l + rows, 0.f);
         std::fill(st.acc, st.acc + rows * dim, 0.f);
+        fed = false;  // what the last range queued was this one's blocks
         continue;
       }
       qrows.resize(rows * dim);

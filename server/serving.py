@@ -19,6 +19,7 @@ import anyio
 from pydantic import BaseModel
 from starlette.requests import Request
 
+from engine.core.async_engine import EngineDeadError
 from engine.outputs import RequestOutput, SpecStats, TokenLogprob
 from engine.sample import structured
 from engine.sample.sampling_params import SamplingParams
@@ -333,7 +334,7 @@ def error_body(exc: BaseException) -> dict[str, Any]:
 def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
-    if type(exc).__name__ == "EngineDeadError":
+    if isinstance(exc, EngineDeadError):
         return not_ready("the engine has stopped")
     if isinstance(exc, ValueError):
         return bad_request(str(exc))

@@ -83,10 +83,11 @@ class Settings(BaseSettings):
     )
     quantization: Quantization = Field(
         default="auto",
-        description="auto: a GGUF's quantized blocks run on int4/int8 kernels; none: dequantize "
-        "to dtype; int8/int4: quantize a float checkpoint at load; w8a8: int8 weights and "
-        "int8 activations in two passes (fbgemm, x86 CPUs); w8a8-fast: one pass, 7-bit "
-        "activations (for a draft)",
+        description="auto: the fastest path here (a GGUF's blocks on the native kernels, on "
+        "torch's int4/int8 kernels without them; dense on CUDA or for a float checkpoint); gguf: "
+        "a GGUF's blocks on the native kernels; none: dequantize to dtype; int8/int4: quantize a "
+        "float checkpoint at load; w8a8: int8 weights and int8 activations in two passes "
+        "(fbgemm, x86 CPUs); w8a8-fast: one pass, 7-bit activations (for a draft)",
     )
     draft_quantization: Quantization | None = Field(
         default=None, description="the draft model's quantization (null: the target's)"

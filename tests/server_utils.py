@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from engine.core.async_engine import EngineDeadError
 from engine.outputs import RequestOutput, RequestTimes, SpecStats, StepStats
 from engine.sample.sampling_params import SamplingParams
 
@@ -55,10 +56,6 @@ class LiveServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
-
-
-class EngineDeadError(RuntimeError):
-    """Named as the real engine's; the server recognizes it by name."""
 
 
 @dataclass

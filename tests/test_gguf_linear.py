@@ -1,5 +1,6 @@
 """`quantization: gguf`: a GGUF file's blocks kept as stored and run by the native kernels, in a
-tiny model end to end; speculation equal to plain decoding; the fallback without the kernels."""
+tiny model end to end; speculation equal to plain decoding; `auto` resolving to it; the fallback
+without the kernels."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from engine.kernels import gguf_ops
 from engine.model.loader import load_model
 from engine.model.quant import native
 from engine.model.quant.formats import GgufBlocks
-from engine.model.quant.linear import QuantEmbedding
+from engine.model.quant.linear import QuantEmbedding, QuantLinear
 from engine.model.runner import ForwardInput, ModelRunner
 
 needs_kernels = pytest.mark.skipif(not gguf_ops.available(), reason="native kernels not built")
@@ -90,6 +91,56 @@ def test_speculative_greedy_equals_plain(tiny_gguf: Path, tiny_draft_dir: Path) 
     assert outputs(speculative, prompts, params) == outputs(plain, prompts, params)
 
 
+def _native_share(runner: ModelRunner) -> tuple[int, int]:
+    """(linear layers whose every kernel is the native GGUF one, linear layers)."""
+    linears = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+    native_ones = [m for m in linears if all(isinstance(k, native.GgufKernel) for k in m.kernels)]
+    return len(native_ones), len(linears)
+
+
+def _auto_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "quantization auto" in r.getMessage()]
+
+
+@needs_kernels
+def test_auto_on_a_gguf_file_is_the_native_path_for_target_and_draft(
+    tiny_gguf: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine's default, `auto`, runs a GGUF's blocks on the native kernels, and a draft
+    without its own setting follows the same rule."""
+    assert load_model(str(tiny_gguf), "auto").quantization == "gguf"
+    spec = SpeculativeConfig(
+        method="draft", num_speculative_tokens=2, adaptive=False, draft_model=str(tiny_gguf)
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="specserve.quant"):
+        engine = make_engine(tiny_gguf, speculative=spec)
+    assert engine.config.quantization == "auto" and engine.config.draft_quantization == "auto"
+    for runner in (engine.target, engine.draft):
+        assert runner is not None
+        native_ones, linears = _native_share(runner)
+        assert linears > 0 and native_ones == linears
+        assert "Q4_K" in runner.weights.label
+    lines = _auto_lines(caplog)
+    assert len(lines) == 2 and all(line.endswith("native kernels (gguf)") for line in lines)
+
+
+def test_without_the_kernels_auto_runs_the_blocks_on_torch_kernels(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the kernels do not load, `auto` is what it was before them: the file's blocks read
+    raw into torch's int4/int8 kernels."""
+    monkeypatch.setattr(gguf_ops, "available", lambda: False)
+    with caplog.at_level(logging.INFO, logger="specserve.quant"):
+        loaded = load_model(str(tiny_gguf), "auto")
+    assert loaded.quantization == "auto" and loaded.gguf_file == tiny_gguf
+    runner = ModelRunner(loaded, "cpu", "bfloat16", 4)
+    assert _native_share(runner)[0] == 0
+    assert "Q4_K" not in runner.weights.label and "int4-g32" in runner.weights.label
+    lines = _auto_lines(caplog)
+    assert len(lines) == 1 and "torch's int4/int8 kernels" in lines[0]
+
+
 def test_without_the_kernels_gguf_runs_as_auto_with_one_line(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -105,9 +156,11 @@ def test_gguf_on_a_float_checkpoint_runs_as_auto(
     tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="specserve.quant"):
-        runner = ModelRunner(load_model(str(tiny_model_dir), "gguf"), "cpu", "float32", 4)
-    assert runner.weights.label == "float32"
+        loaded = load_model(str(tiny_model_dir), "gguf")
+        runner = ModelRunner(loaded, "cpu", "float32", 4)
+    assert loaded.quantization == "none" and runner.weights.label == "float32"
     assert any("not a .gguf file" in r.getMessage() for r in caplog.records)
+    assert load_model(str(tiny_model_dir), "auto").quantization == "none"
 
 
 @needs_kernels

@@ -15,6 +15,7 @@ from engine_utils import greedy, make_engine, outputs, random_prompts
 from tiny import _gguf_hparams, _gguf_tokenizer, make_tiny_model
 
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.kernels import gguf_ops
 from engine.model.loader import load_model
 from engine.model.quant import kernels
 from engine.model.quant.formats import Int4Weight, Int8Weight, quantize_int4, quantize_int8
@@ -338,10 +339,12 @@ def _write_quantized_gguf(path: Path, src: Path) -> None:
 def test_gguf_raw_blocks_match_the_dequantized_conversion(
     tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """auto reads Q4_K/Q8_0 blocks raw; none converts through transformers' dequantization.
+    """auto without the native kernels reads Q4_K/Q8_0 blocks raw for torch's kernels; none
+    converts through transformers' dequantization.
 
     An untied embedding stays in the file and is dequantized a few rows at a time."""
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_ops, "available", lambda: False)
     src = make_tiny_model(
         tmp_path / "src", hidden_size=256, intermediate_size=256, tie_word_embeddings=tied
     )

@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from engine.config import Quantization
 from engine.model.decoder import WeightValue
 from engine.model.families import ARCHITECTURE_OF_MODEL_TYPE, check_supported
+from engine.model.quant.for_device import quantization_for_weights
 
 _CONVERTED_DONE = "specserve-converted.json"
 
@@ -40,16 +41,16 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     weights_dir: Path  # folder holding *.safetensors with transformers parameter names
     architecture: str  # e.g. "Qwen2ForCausalLM"
-    quantization: Quantization = "none"  # what the runner makes of the weights
+    quantization: Quantization = "none"  # what the runner makes of the weights (never `auto` on
+    # a float checkpoint, nor `gguf` without a .gguf file and the native kernels)
     gguf_file: Path | None = None  # weights read raw from here (weights_dir: config only)
 
     def iter_weights(self) -> Iterator[tuple[str, WeightValue]]:
         """(transformers name, tensor or quantized weight) pairs, read lazily one at a time."""
         if self.gguf_file is not None:
-            from engine.kernels import gguf_ops
             from engine.model.quant.gguf_weights import read_gguf_weights
 
-            blocks = self.quantization == "gguf" and gguf_ops.available()
+            blocks = self.quantization == "gguf"  # load_model checked that the kernels load
             yield from read_gguf_weights(self.gguf_file, self.hf_config, blocks=blocks)
             return
         files = sorted(self.weights_dir.glob("*.safetensors"))
@@ -75,13 +76,15 @@ def _log(msg: str) -> None:
 
 
 def load_model(spec: str, quantization: Quantization = "none") -> LoadedModel:
-    """Resolve `spec` to a local folder and read config and tokenizer (weights stay lazy)."""
+    """Resolve `spec` to a local folder and read config and tokenizer (weights stay lazy);
+    `quantization` `auto` or `gguf` becomes what these weights load with here."""
     if spec.startswith("bundled:"):
         from engine.model import bundled
 
         path = Path(bundled.resolve(spec.removeprefix("bundled:")))
     else:
         path = Path(spec).expanduser()
+    quantization = quantization_for_weights(quantization, path)
     if path.is_file() and path.suffix == ".gguf" and quantization != "none":
         loaded = _load_folder(spec, gguf_metadata(path))
         return replace(loaded, quantization=quantization, gguf_file=path)

@@ -10,20 +10,15 @@ from torch import nn
 from engine.config import Quantization
 from engine.model.decoder import DecoderModel
 from engine.model.quant.linear import QuantEmbedding, QuantizeMode, QuantLinear
-from engine.model.quant.native import native_gguf
 
 
 def quantize_mode(quantization: Quantization, from_gguf: bool) -> QuantizeMode | None:
-    """How layers take their weights; None: plain nn.Linear as before (`none`, or `auto` on a
-    float checkpoint)."""
-    if quantization == "gguf":
-        if native_gguf(from_gguf):
-            return "gguf"
-        quantization = "auto"
-    if quantization == "none" or (quantization == "auto" and not from_gguf):
+    """How layers take their weights; None: plain nn.Linear (`none`, or `auto` on a float
+    checkpoint). `gguf` arrives only where load_model found a .gguf file and the native kernels."""
+    if quantization == "none" or (quantization in ("auto", "gguf") and not from_gguf):
         return None
-    if quantization in ("w8a8", "w8a8-fast"):  # the modes of linear.ACTIVATION_PASSES
-        return quantization  # any checkpoint: every matrix int8 per row, int8 activations
+    if quantization in ("w8a8", "w8a8-fast", "gguf"):  # w8a8*: the modes of ACTIVATION_PASSES
+        return quantization  # w8a8*: any checkpoint; every matrix int8 per row, int8 activations
     if quantization == "auto" or from_gguf:
         return "keep"  # a GGUF's quantized tensors are kept as the file has them
     return quantization

@@ -180,20 +180,3 @@ def _best_ms(fn: object, x: torch.Tensor, repeats: int = 2) -> float:
         fn(x)
         best = min(best, time.perf_counter() - started)
     return best * 1000
-
-
-def native_gguf(from_gguf: bool) -> bool:
-    """Whether `quantization: gguf` runs on the native kernels; else one log line says why and
-    what runs instead."""
-    if not from_gguf:
-        log.warning(
-            "quantization gguf: the model is not a .gguf file; its weights load as with auto"
-        )
-        return False
-    if not gguf_ops.available():
-        log.warning(
-            "quantization gguf: the native kernels are not available here (see the line above); "
-            "the file's blocks run on torch's int4/int8 kernels as with auto"
-        )
-        return False
-    return True

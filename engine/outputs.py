@@ -12,6 +12,19 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 
+# Who put a token in the output: the proposers' names ("draft", "ngram", "grammar") for accepted
+# drafts, TARGET for the target's own sample (plain decoding, a recovered or a bonus token).
+TARGET = "target"
+
+
+@dataclass(frozen=True)
+class TokenSpan:
+    """One emitted token's share of an output's text, and who proposed it (`Sequence.origins`)."""
+
+    text: str
+    origin: str
+
+
 @dataclass
 class SpecStats:
     """Speculative accounting for one request (cumulative) or one step."""
@@ -96,6 +109,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only; first is None
     prompt_token_ids: list[int] | None = None  # first output only
+    # One per new token, their texts adding up to new_text; only where params.token_origins
+    new_token_spans: list[TokenSpan] | None = None
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestTimes, SpecStats, TokenLogprob
+from engine.outputs import TARGET, RequestTimes, SpecStats, TokenLogprob, TokenSpan
 from engine.sample.detokenizer import IncrementalDetokenizer
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.seeded import SeedStream
@@ -48,6 +48,9 @@ class Sequence:
     # Not yet handed to the caller:
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Who proposed each output token (engine.outputs.TARGET or a proposer's name); kept only where
+    # params.token_origins asks
+    origins: list[str] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_done: bool = False
     first_output_sent: bool = False
@@ -90,6 +93,16 @@ class Sequence:
         if self.seed_stream is None or self.params.greedy:
             return None
         return self.seed_stream.row_keys(self.num_output_tokens + ahead, count)
+
+    def pending_spans(self, text_start: int, text: str) -> list[TokenSpan]:
+        """The pending tokens' shares of `text` (what the detokenizer handed out from
+        `text_start`) with their origins; text released with no new token goes as the last's."""
+        first = self.num_output_tokens - len(self.pending_token_ids)
+        pieces = self.detokenizer.token_texts(text_start, text, first)
+        if not pieces:
+            return []
+        origins = self.origins[first:] or self.origins[-1:] or [TARGET]
+        return [TokenSpan(piece, origin) for piece, origin in zip(pieces, origins, strict=True)]
 
     @property
     def is_finished(self) -> bool:

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.sample import structured
 from server.errors import RETRY_AFTER, APIError, bad_request, not_ready
 from server.metrics import CONTENT_TYPE, Metrics
+from server.playground import add_playground, is_open_path
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -128,6 +129,8 @@ def create_app(
     app.include_router(responses_routes(_ready(lambda e: e.responses), sse, bool(settings.api_key)))
     app.include_router(messages_routes(_ready(lambda e: e.messages), sse))
     app.include_router(_open_routes(state))
+    if settings.playground:
+        add_playground(app)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
     return app
@@ -349,7 +352,8 @@ class BearerAuth:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or is_open_path(path):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])

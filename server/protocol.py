@@ -126,6 +126,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    return_token_origins: bool = False  # each token's text and proposer, on choices and chunks
     num_speculative_tokens: Annotated[int, Field(ge=0, le=64)] | None = None
     user: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
@@ -192,6 +193,7 @@ class SamplingFields(BaseModel):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             num_speculative_tokens=self.num_speculative_tokens,
+            token_origins=self.return_token_origins,
             constraints=constraints,
         )
 

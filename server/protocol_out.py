@@ -22,6 +22,14 @@ class SpecDecodeSummary(BaseModel):
     mean_acceptance_length: float | None = None
 
 
+class TokenOrigin(BaseModel):
+    """One output token's text and who proposed it: "draft", "ngram" or "grammar" for an accepted
+    draft, "target" for the target's own token (`return_token_origins`)."""
+
+    text: str
+    origin: str
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -50,6 +58,7 @@ class _Choice(BaseModel):
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     spec_decode: SpecDecodeSummary | None = None
+    token_origins: list[TokenOrigin] | None = Field(default=None, exclude_if=_none)
 
 
 class _Response(BaseModel):

@@ -20,14 +20,14 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from engine.core.async_engine import EngineDeadError
-from engine.outputs import RequestOutput, SpecStats, TokenLogprob
+from engine.outputs import RequestOutput, SpecStats, TokenLogprob, TokenSpan
 from engine.sample import structured
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import Constraints
 from server.errors import APIError, bad_request, not_ready
 from server.metrics import Metrics
 from server.protocol import GrammarRequest, SamplingFields, now
-from server.protocol_out import SpecDecodeSummary, UsageInfo
+from server.protocol_out import SpecDecodeSummary, TokenOrigin, UsageInfo
 from server.settings import Settings
 from server.tool_parser import tool_tags_as_tokens
 
@@ -66,6 +66,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    spans: list[TokenSpan] = field(default_factory=list)  # where the request asked for origins
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -80,6 +81,7 @@ class Choice:
         self.text += out.new_text
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
+        self.spans += out.new_token_spans or []
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = out.finish_reason if out.finished else None
@@ -98,6 +100,18 @@ def spec_summary(spec: SpecStats) -> SpecDecodeSummary:
         acceptance_rate=spec.acceptance_rate,
         mean_acceptance_length=spec.mean_acceptance_length,
     )
+
+
+def chunk_spec(req: SamplingFields, c: Choice, out: RequestOutput) -> SpecDecodeSummary | None:
+    """A chunk's speculative summary: on the last chunk, or on every one (the running totals)
+    where the request watches its tokens' origins."""
+    return spec_summary(c.spec) if out.finished or req.return_token_origins else None
+
+
+def token_origins(req: SamplingFields, spans: list[TokenSpan] | None) -> list[TokenOrigin] | None:
+    if not req.return_token_origins:
+        return None
+    return [TokenOrigin(text=span.text, origin=span.origin) for span in spans or []]
 
 
 def total_spec(choices: Iterable[Choice]) -> SpecDecodeSummary:

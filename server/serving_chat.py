@@ -29,7 +29,9 @@ from server.serving import (
     Job,
     OpenAIServing,
     Stream,
+    chunk_spec,
     spec_summary,
+    token_origins,
     total_spec,
     usage_of,
 )
@@ -110,6 +112,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_token_ids=c.job.prompt_ids if req.return_token_ids else None,
             token_ids=c.token_ids if req.return_token_ids else None,
             spec_decode=spec_summary(c.spec),
+            token_origins=token_origins(req, c.spans),
         )
 
     def _chunk(
@@ -130,7 +133,8 @@ class OpenAIServingChat(OpenAIServing):
             stop_reason=c.stop_reason if out.finished else None,
             prompt_token_ids=c.job.prompt_ids if req.return_token_ids and first else None,
             token_ids=out.new_token_ids if req.return_token_ids else None,
-            spec_decode=spec_summary(c.spec) if out.finished else None,
+            spec_decode=chunk_spec(req, c, out),
+            token_origins=token_origins(req, out.new_token_spans),
         )
         prompt_ids = c.job.prompt_ids if req.return_token_ids and first else None
         return ChatCompletionChunk(

@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     )
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
+    playground: bool = Field(
+        default=True, description="serve the playground page at / (false: the API only)"
+    )
     api_key: str | None = Field(
         default=None, description="require this bearer token (all but /health, /live, /metrics)"
     )

@@ -16,7 +16,7 @@ from engine.model import device as devices
 from engine.model.loader import check_same_vocab, load_model
 from engine.model.quant.for_device import quantization_for
 from engine.model.runner import ForwardInput, ModelRunner
-from engine.outputs import RequestOutput, RequestTimes, SpecStats, StepStats, TokenLogprob
+from engine.outputs import TARGET, RequestOutput, RequestTimes, SpecStats, StepStats, TokenLogprob
 from engine.sample import structured
 from engine.sample.detokenizer import IncrementalDetokenizer
 from engine.sample.sampler import emitted_logprobs, logprobs_of
@@ -323,6 +323,8 @@ class LLMEngine:
         seq.spec.add(k, num_accepted, proposal.source)
         step_spec.add(k, num_accepted, proposal.source)
         num_emitted, stop = self._append(seq, tokens, logprobs)
+        if seq.params.token_origins:  # the accepted drafts, then the target's own token
+            seq.origins += ([proposal.source] * num_accepted + [TARGET])[:num_emitted]
         self.scheduler.update_from_output(
             item, num_accepted, proposal.num_draft_computed, proposal.source
         )
@@ -400,10 +402,12 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         first = not seq.first_output_sent
         seq.first_output_sent = True
+        text_start = seq.detokenizer.num_sent
+        new_text = seq.detokenizer.pop_delta(seq.is_finished)
         out = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=seq.pending_token_ids,
-            new_text=seq.detokenizer.pop_delta(seq.is_finished),
+            new_text=new_text,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
@@ -418,6 +422,9 @@ class LLMEngine:
             if first and seq.params.prompt_logprobs is not None
             else None,
             prompt_token_ids=seq.prompt_token_ids if first else None,
+            new_token_spans=seq.pending_spans(text_start, new_text)
+            if seq.params.token_origins
+            else None,
         )
         seq.pending_token_ids, seq.pending_logprobs = [], []
         if seq.is_finished:

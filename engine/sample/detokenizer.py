@@ -34,6 +34,7 @@ class IncrementalDetokenizer:
         self._text = ""
         self._num_sent = 0  # characters of text already handed out by pop_delta
         self.stop_reason: str | None = None
+        self.token_ends: list[int] = []  # len(text) after each token: where its text ends
 
     @property
     def text(self) -> str:
@@ -42,15 +43,20 @@ class IncrementalDetokenizer:
 
     def append(self, token_id: int) -> str | None:
         """Feed one token; returns the stop string if the text now contains one."""
-        if self.stop_reason is not None:
-            return self.stop_reason
-        self._window.append(token_id)
-        delta = self._decode_new_text(final=False)
-        if delta:
-            old_len = len(self._text)
-            self._text += delta
-            self._check_stop(old_len)
+        if self.stop_reason is None:
+            self._window.append(token_id)
+            delta = self._decode_new_text(final=False)
+            if delta:
+                old_len = len(self._text)
+                self._text += delta
+                self._check_stop(old_len)
+        self.token_ends.append(len(self._text))
         return self.stop_reason
+
+    @property
+    def num_sent(self) -> int:
+        """Characters of text handed out so far: where the next pop_delta starts."""
+        return self._num_sent
 
     def pop_delta(self, finished: bool) -> str:
         """Text not handed out yet; unless finished, hold back what may start a stop string."""
@@ -62,6 +68,22 @@ class IncrementalDetokenizer:
         delta = self._text[self._num_sent : end]
         self._num_sent = end
         return delta
+
+    def token_texts(self, start: int, text: str, first_token: int) -> list[str]:
+        """`text`, the characters from `start` that pop_delta handed out, cut where each token from
+        `first_token` on ends: one piece per token, adding up to `text`. Characters before the first
+        cut (released from an earlier token by a stop-string hold) go with the first piece, and a
+        final flush with the last; a token that completed no character gets "" """
+        ends = self.token_ends[first_token:]
+        if not ends:
+            return [text] if text else []
+        stop, cut, pieces = start + len(text), start, []
+        for end in ends[:-1]:
+            end = min(max(end, cut), stop)
+            pieces.append(text[cut - start : end - start])
+            cut = end
+        pieces.append(text[cut - start :])
+        return pieces
 
     def _decode_new_text(self, final: bool) -> str:
         """Text of the unread tokens, or "" while it ends in an incomplete character."""

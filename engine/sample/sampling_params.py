@@ -26,6 +26,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # same for prompt tokens (echo)
     skip_special_tokens: bool = True
     num_speculative_tokens: int | None = None  # None: the server's k; 0: no speculation
+    token_origins: bool = False  # each output carries its tokens' texts and origins (TokenSpan)
     # logit_bias and grammar (engine/sample/structured.py); None: unconstrained
     constraints: Constraints | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False)

@@ -56,6 +56,7 @@ COPY README.md ./
 COPY engine ./engine
 COPY server ./server
 COPY bench ./bench
+COPY specserve ./specserve
 COPY configs ./configs
 RUN pip install --no-deps . && rm -rf build *.egg-info
 

@@ -43,8 +43,8 @@ test: install
 	$(BIN)/python -m pytest -q tests
 
 lint: install
-	$(BIN)/ruff check engine server tests bench
-	$(BIN)/mypy engine server
+	$(BIN)/ruff check engine server tests bench specserve
+	$(BIN)/mypy engine server specserve
 
 bench: install fetch-models
 	$(BIN)/specserve bench --launch $(CONFIG) --out bench-out

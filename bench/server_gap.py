@@ -40,7 +40,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def serve_args(args: argparse.Namespace, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "server.cli", "serve", "--model", args.model,
+        sys.executable, "-m", "specserve", "serve", "--model", args.model,
         "--dtype", args.dtype, "--quantization", args.quantization,
         "--num-threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
         "--kv-cache-gib", str(args.kv_cache_gib), "--speculative-method", "none",

@@ -12,6 +12,17 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 
+class ContextLengthError(ValueError):
+    """A request whose prompt plus max_tokens does not fit the context window."""
+
+    def __init__(self, num_prompt: int, max_tokens: int, max_model_len: int) -> None:
+        self.num_prompt, self.max_tokens, self.max_model_len = num_prompt, max_tokens, max_model_len
+        super().__init__(
+            f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is "
+            f"{num_prompt + max_tokens}, beyond the context window of {max_model_len} tokens"
+        )
+
+
 # Who put a token in the output: the proposers' names ("draft", "ngram", "grammar") for accepted
 # drafts, TARGET for the target's own sample (plain decoding, a recovered or a bonus token).
 TARGET = "target"

@@ -1,5 +1,7 @@
 """One request's tokens and progress through the engine, and what the scheduler hands the other
-layers for a step (`ScheduledSeq`, `SchedulerOutput`). Only the scheduler changes a `Sequence`'s state.
+layers for a step (`ScheduledSeq`, `SchedulerOutput`, and back `SeqResult`). Only the scheduler
+changes a `Sequence`'s tokens, progress and status (`Scheduler.update_from_output`); the engine only
+drains what is pending for the caller.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from engine.sample.detokenizer import IncrementalDetokenizer
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.seeded import SeedStream
 from engine.sample.structured import ConstraintState
-from engine.spec_decode.acceptance import RequestSpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -41,7 +42,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of registered full blocks
     num_draft_cached_blocks: int = 0  # leading blocks flagged as holding the draft's K/V
-    spec_state: RequestSpecState = field(default_factory=RequestSpecState)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
@@ -132,6 +132,28 @@ class ScheduledSeq:
         """How many of this step's known tokens are prompt tokens (the rest recompute outputs)."""
         remaining = self.seq.num_prompt_tokens - self.seq.num_computed_tokens
         return max(0, min(remaining, self.num_new_tokens))
+
+
+@dataclass(frozen=True)
+class SeqResult:
+    """What one step computed for one scheduled request: the engine's word to the scheduler,
+    which alone changes the request (`Scheduler.update_from_output`)."""
+
+    # accepted drafts, then the target's own (recovered or bonus) token; [] for a prompt chunk
+    tokens: list[int] = field(default_factory=list)
+    num_drafts: int = 0  # drafts the target verified
+    proposer: str = ""  # who drafted them
+    num_draft_computed: int | None = None  # the draft model's K/V frontier (Proposal's)
+    logprobs: list[TokenLogprob] | None = None  # one per token where asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # this chunk's, where asked
+
+    @property
+    def num_accepted(self) -> int:
+        return max(0, len(self.tokens) - 1)
+
+    def origin(self, i: int) -> str:
+        """Who proposed the i-th token: the drafter for an accepted draft, else the target."""
+        return self.proposer if i < self.num_accepted else TARGET
 
 
 @dataclass

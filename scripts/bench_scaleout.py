@@ -57,7 +57,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 900) 
 
 def serve_cmd(args: argparse.Namespace, port: int, tp: int) -> list[str]:
     return [
-        sys.executable, "-m", "server.cli", "serve", "--config", args.config,
+        sys.executable, "-m", "specserve", "serve", "--config", args.config,
         "--port", str(port), "--num-threads", str(args.threads),
         "--max-num-seqs", str(args.concurrency), "--tensor-parallel-size", str(tp),
         "--speculative-method", args.speculative_method,

@@ -97,7 +97,7 @@ sys.exit(0 if all(b.model_path(n).exists() for n in \
 }
 
 serve_bench() {
-    "$PY" -m server.cli bench --launch configs/cuda.yaml --categories code,chat \
+    "$PY" -m specserve bench --launch configs/cuda.yaml --categories code,chat \
         --concurrency 1,8 --num-prompts 4 --max-tokens 128 --out "$OUT/bench" >&2
     local rc=$?
     tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
@@ -106,7 +106,7 @@ serve_bench() {
 
 # The dry run checks what the bench step would launch: its config and the bench command line.
 dry_bench() {
-    "$PY" -c "from server.cli import build_parser; from server.settings import Settings
+    "$PY" -c "from specserve.cli import build_parser; from server.settings import Settings
 Settings.load('configs/cuda.yaml')
 build_parser().parse_args(['bench', '--launch', 'configs/cuda.yaml', '--categories', 'code,chat',
     '--concurrency', '1,8', '--num-prompts', '4', '--max-tokens', '128', '--out', 'x'])"

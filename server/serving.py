@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from engine.core.async_engine import EngineDeadError
-from engine.outputs import RequestOutput, SpecStats, TokenLogprob, TokenSpan
+from engine.outputs import ContextLengthError, RequestOutput, SpecStats, TokenLogprob, TokenSpan
 from engine.sample import structured
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import Constraints
@@ -207,28 +207,28 @@ class OpenAIServing:
             raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
         jobs = []
         for p, (ids, text) in enumerate(prompts):
-            self._check_length(len(ids), max_tokens, max_tokens_param)
             for i in range(n):
                 params = self._sampling_params(req, max_tokens, i, constraints)
-                self._validate(ids, params)
+                self._validate(ids, params, max_tokens_param)
                 index = p * n + i
                 jobs.append(Job(index, n, f"{response_id}-{index}", ids, text, params))
         return jobs
 
-    def _check_length(self, num_prompt: int, max_tokens: int, param: str) -> None:
-        if num_prompt + max_tokens > self.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
-                f"{max_tokens} in the completion).",
-                "prompt" if num_prompt >= self.max_model_len else param,
-                "context_length_exceeded",
-            )
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The engine's own checks (token ids, KV capacity), as a 400 before anything starts."""
+    def _validate(
+        self, prompt_ids: list[int], params: SamplingParams, max_tokens_param: str
+    ) -> None:
+        """The engine's own checks (length, token ids, KV capacity), as a 400 before anything
+        starts."""
         try:
             self.engine.validate(prompt_ids, params)
+        except ContextLengthError as exc:
+            raise bad_request(
+                f"This model's maximum context length is {exc.max_model_len} tokens. However, "
+                f"you requested {exc.num_prompt + exc.max_tokens} tokens ({exc.num_prompt} in the "
+                f"prompt, {exc.max_tokens} in the completion).",
+                "prompt" if exc.num_prompt >= exc.max_model_len else max_tokens_param,
+                "context_length_exceeded",
+            ) from None
         except ValueError as exc:
             raise bad_request(str(exc), "prompt") from None
 

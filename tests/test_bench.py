@@ -400,7 +400,7 @@ def test_launch_starts_waits_and_stops(
     real_popen = subprocess.Popen
 
     def popen(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        assert cmd[1:5] == ["-m", "server.cli", "serve", "--config"]
+        assert cmd[1:5] == ["-m", "specserve", "serve", "--config"]
         port = cmd[cmd.index("--port") + 1]
         assert cmd[-2:] == ["--device", "cpu"]
         env = {**__import__("os").environ, "PYTHONPATH": f"{Path(__file__).parent}:{Path.cwd()}"}

@@ -255,7 +255,7 @@ def test_readme_documents_every_setting() -> None:
 
 
 def test_readme_flags_exist_in_the_cli() -> None:
-    from server.cli import build_parser
+    from specserve.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

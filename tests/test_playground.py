@@ -265,6 +265,11 @@ def test_non_streamed_answers_carry_origins_too(server: RealServer) -> None:
     assert "".join(s["text"] for s in choice["token_origins"]) == choice["message"]["content"]
     assert len(choice["token_origins"]) == body["usage"]["completion_tokens"]
     assert "token_origins" not in chat(server, max_tokens=4)["choices"][0]
+    request = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=request | {"return_token_origins": True})
+    (choice,) = r.json()["choices"]
+    assert "".join(s["text"] for s in choice["token_origins"]) == choice["text"]
+    assert {s["origin"] for s in choice["token_origins"]} <= {"draft", "ngram", "target"}
 
 
 def test_the_page_can_be_turned_off_and_needs_no_key() -> None:

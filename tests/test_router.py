@@ -70,7 +70,7 @@ def healthy(proc: Proc) -> bool:
 def start_replica(model_dir: Path, work: Path, name: str) -> Proc:
     port = free_port()
     cmd = [
-        sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
+        sys.executable, "-m", "specserve", "serve", "--model", str(model_dir),
         "--served-model-name", "tiny", "--dtype", "float32", "--port", str(port),
         "--kv-cache-gib", "0.02", "--num-threads", "1", "--max-num-seqs", "8",
         "--shutdown-grace-s", "60",

@@ -9,13 +9,14 @@ from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.outputs import RequestTimes
 from engine.sample.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import SeqResult, Sequence, SequenceStatus
 
 BS = 4
 
 
 class _NoDetokenizer:
-    pass
+    def append(self, token_id: int) -> None:
+        return None  # no text, so no stop string
 
 
 def _seq(rid: str, prompt_len: int, k: int = 0, max_tokens: int = 32) -> Sequence:
@@ -50,9 +51,7 @@ def _run_step(sched: Scheduler, sampled: int = 7) -> list[tuple[str, int, int]]:
         (item.seq.request_id, item.num_new_tokens, item.num_spec_tokens) for item in out.scheduled
     ]
     for item in out.scheduled:
-        if item.reaches_end:
-            item.seq.token_ids.append(sampled)
-        sched.update_from_output(item, 0, None, "")
+        sched.update_from_output(item, SeqResult([sampled] if item.reaches_end else []))
     return plan
 
 
@@ -97,8 +96,7 @@ def test_preemption_frees_the_newest_and_admits_nothing_that_step() -> None:
     out = sched.schedule()
     assert blocks_before == 2 and out.num_preempted == 0  # 9 positions each: a 3rd block each
     for item in out.scheduled:
-        item.seq.token_ids.append(7)
-        sched.update_from_output(item, 0, None, "")
+        sched.update_from_output(item, SeqResult([7]))
     # Fill the blocks up so the next growth must preempt.
     for seq in (a, b):
         seq.token_ids += [7] * 3
@@ -119,8 +117,10 @@ def test_update_from_output_is_the_one_place_progress_moves() -> None:
     out = sched.schedule()
     item = out.scheduled[0]
     assert item.num_spec_tokens == 3 and item.k_for("ngram") == 3
-    seq.token_ids += [5, 6, 7]  # two accepted drafts plus the recovered token
-    sched.update_from_output(item, 2, num_draft_computed=11, proposer="ngram")
+    # two accepted drafts plus the recovered token
+    result = SeqResult([5, 6, 7], num_drafts=3, proposer="ngram", num_draft_computed=11)
+    assert sched.update_from_output(item, result) == 3
+    assert seq.output_token_ids == [5, 6, 7] and seq.spec.by_proposer == {"ngram": [3, 2]}
     assert seq.num_computed_tokens == 10  # 8 prompt + 2 accepted drafts; the rejected one is not
     assert seq.num_draft_computed_tokens == 10  # clamped to what the target kept
     assert len(seq.block_hashes) == 2  # both full blocks registered, incrementally

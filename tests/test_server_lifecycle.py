@@ -122,7 +122,7 @@ def test_engine_death_during_a_full_response_is_503(dying_server: Any) -> None:
 
 
 def test_cli_rejects_a_bad_flag_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
-    from server.cli import main
+    from specserve.cli import main
 
     assert main(["serve", "--model", "m", "--port", "eighty"]) == 2
     assert "port" in capsys.readouterr().err
@@ -132,7 +132,7 @@ def test_serve_sigterm_finishes_running_requests(tiny_model_dir: Path, tmp_path:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
-        sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir),
+        sys.executable, "-m", "specserve", "serve", "--model", str(tiny_model_dir),
         "--dtype", "float32", "--port", str(port), "--speculative-method", "ngram",
         "--kv-cache-gib", "0.02", "--shutdown-grace-s", "20", "--num-threads", "1",
     ]  # fmt: skip

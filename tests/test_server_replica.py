@@ -71,7 +71,7 @@ def test_metrics_compat_none_exports_only_specserve_names() -> None:
 def test_metrics_compat_setting_from_file_env_and_flag(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from server.cli import build_parser
+    from specserve.cli import build_parser
 
     config = tmp_path / "c.yaml"
     config.write_text("model: m\nmetrics_compat: none\n")
@@ -124,7 +124,7 @@ def test_live_and_health_through_load_and_drain(tiny_model_dir: Path, tmp_path: 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
-        sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir),
+        sys.executable, "-m", "specserve", "serve", "--model", str(tiny_model_dir),
         "--dtype", "float32", "--port", str(port), "--kv-cache-gib", "0.02",
         "--shutdown-grace-s", "30", "--num-threads", "1",
     ]  # fmt: skip

@@ -158,7 +158,7 @@ def reference_tokens(model_dir: Path, draft_dir: Path | None) -> dict[tuple[str,
 def serve_tp(model_dir: Path, log: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     cmd = [
-        sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
+        sys.executable, "-m", "specserve", "serve", "--model", str(model_dir),
         "--served-model-name", "tiny", "--dtype", "float32", "--port", str(port),
         "--kv-cache-gib", "0.02", "--num-threads", "1", "--tensor-parallel-size", "2",
         "--num-speculative-tokens", str(K), "--no-speculative-adaptive", *extra,
@@ -237,7 +237,7 @@ def test_torchrun_starts_the_same_group(tiny_model_dir: Path, tmp_path: Path) ->
     port, log = free_port(), tmp_path / "torchrun.log"
     cmd = [
         str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2",
-        "--master-port", str(free_port()), "-m", "server.cli", "serve",
+        "--master-port", str(free_port()), "-m", "specserve", "serve",
         "--model", str(tiny_model_dir), "--dtype", "float32", "--port", str(port),
         "--kv-cache-gib", "0.02", "--num-threads", "1", "--tensor-parallel-size", "2",
     ]  # fmt: skip

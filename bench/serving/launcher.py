@@ -23,7 +23,7 @@ def free_port() -> int:
 
 def serve_command(config: Path, port: int, extra: list[str]) -> list[str]:
     return [
-        sys.executable, "-m", "server.cli", "serve",
+        sys.executable, "-m", "specserve", "serve",
         "--config", str(config), "--host", "127.0.0.1", "--port", str(port), *extra,
     ]  # fmt: skip
 

@@ -133,7 +133,6 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running") from self.error
-        self.engine.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

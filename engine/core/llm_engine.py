@@ -16,13 +16,20 @@ from engine.model import device as devices
 from engine.model.loader import check_same_vocab, load_model
 from engine.model.quant.for_device import quantization_for
 from engine.model.runner import ForwardInput, ModelRunner
-from engine.outputs import TARGET, RequestOutput, RequestTimes, SpecStats, StepStats, TokenLogprob
+from engine.outputs import (
+    ContextLengthError,
+    RequestOutput,
+    RequestTimes,
+    SpecStats,
+    StepStats,
+    TokenLogprob,
+)
 from engine.sample import structured
 from engine.sample.detokenizer import IncrementalDetokenizer
 from engine.sample.sampler import emitted_logprobs, logprobs_of
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.seeded import SeedStream
-from engine.sequence import ScheduledSeq, Sequence
+from engine.sequence import ScheduledSeq, SeqResult, Sequence
 from engine.spec_decode.planner import SpecPlanner
 from engine.spec_decode.proposers import (
     DraftModelProposer,
@@ -72,7 +79,9 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.planner)
+        self.scheduler = Scheduler(
+            config, self.block_manager, self.max_model_len, self.planner, self.eos_token_ids
+        )
         self.seqs: dict[str, Sequence] = {}
         self.last_stats: StepStats | None = None
         log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
@@ -85,9 +94,6 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already running")
-        k = self.config.speculative.num_speculative_tokens if self.config.speculative.enabled else 0
-        if params.num_speculative_tokens is not None:
-            k = min(k, params.num_speculative_tokens)
         stop = params.stop
         seq = Sequence(
             request_id=request_id,
@@ -98,7 +104,7 @@ class LLMEngine:
                 self.tokenizer, list(prompt_token_ids), stop, params.skip_special_tokens
             ),
             seed_stream=None if params.seed is None else SeedStream.of(params.seed, params.choice),
-            num_speculative_tokens=k,
+            num_speculative_tokens=self.scheduler.request_k(params),
             constraint=structured.new_state(params.constraints, self.tokenizer),
         )
         if params.prompt_logprobs is not None:
@@ -107,7 +113,8 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError for a request this engine can never serve."""
+        """Raise ValueError for a request this engine can never serve: the one check of a
+        request's length (the server calls it before a stream starts, `add_request` at admission)."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.target.vocab_size
@@ -119,10 +126,7 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"is {total}, beyond the context window of {self.max_model_len} tokens"
-            )
+            raise ContextLengthError(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
             raise ValueError(f"prompt plus max_tokens ({total} tokens) exceeds the KV cache")
 
@@ -312,62 +316,21 @@ class LLMEngine:
         logprobs: list[TokenLogprob] | None,  # one per token where asked
         step_spec: SpecStats,
     ) -> int:
-        """Record one request's verified tokens; returns the tokens emitted."""
+        """Hand one request's verified tokens to the scheduler; returns the tokens emitted."""
         seq, k = item.seq, len(proposal.token_ids)
-        if seq.wants_prompt_logprobs:
-            self._record_prompt_logprobs(seq, rows[: item.num_new_tokens])
-        if not item.reaches_end:  # a prompt chunk: nothing to sample yet
-            self.scheduler.update_from_output(item, 0, proposal.num_draft_computed, proposal.source)
-            return 0
-        num_accepted = len(tokens) - 1
-        seq.spec.add(k, num_accepted, proposal.source)
-        step_spec.add(k, num_accepted, proposal.source)
-        num_emitted, stop = self._append(seq, tokens, logprobs)
-        if seq.params.token_origins:  # the accepted drafts, then the target's own token
-            seq.origins += ([proposal.source] * num_accepted + [TARGET])[:num_emitted]
-        self.scheduler.update_from_output(
-            item, num_accepted, proposal.num_draft_computed, proposal.source
+        prompt_logprobs = (
+            self._prompt_logprobs(seq, rows[: item.num_new_tokens])
+            if seq.wants_prompt_logprobs
+            else []
         )
-        if stop is not None:
-            self.scheduler.finish(seq, *stop)
-        return num_emitted
+        if item.reaches_end:
+            step_spec.add(k, len(tokens) - 1, proposal.source)
+        result = SeqResult(
+            tokens, k, proposal.source, proposal.num_draft_computed, logprobs, prompt_logprobs
+        )
+        return self.scheduler.update_from_output(item, result)
 
-    # ---- accepting tokens and stops --------------------------------------------------------
-
-    def _append(
-        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None
-    ) -> tuple[int, tuple[str, int | str | None] | None]:
-        """Append an accepted run token by token; a stop inside the run cuts it there.
-        Returns the tokens appended and the stop (finish reason, stop reason) if one was hit."""
-        now = time.monotonic()
-        if seq.times.first_token is None:
-            seq.times.first_token = now
-        for i, token in enumerate(tokens):
-            seq.token_ids.append(token)
-            seq.pending_token_ids.append(token)
-            if logprobs is not None:
-                seq.pending_logprobs.append(logprobs[i])
-            stop = self._stop(seq, token)
-            if stop is not None:
-                return i + 1, stop
-        return len(tokens), None
-
-    def _stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
-        params = seq.params
-        stop_string = seq.detokenizer.append(token)
-        if token in self.eos_token_ids and not params.ignore_eos:
-            return "stop", None
-        if token in params.stop_token_ids:
-            return "stop", token
-        if stop_string is not None:
-            return "stop", stop_string
-        if structured.advance(seq.constraint, token):  # the grammar is complete
-            return "stop", None
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length", None
-        return None
-
-    def _record_prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> None:
+    def _prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> list[TokenLogprob]:
         """rows[j] is the forward at position start + j: it scores the prompt token after it."""
         start = seq.num_computed_tokens
         targets = [p + 1 for p in range(start, start + rows.shape[0])]
@@ -376,13 +339,10 @@ class LLMEngine:
             for j, t in enumerate(targets)
             if len(seq.prompt_logprobs) <= t < seq.num_prompt_tokens
         ]
-        if keep:
-            ids = [seq.token_ids[targets[j]] for j in keep]
-            seq.prompt_logprobs.extend(
-                logprobs_of(rows[keep], ids, seq.params.prompt_logprobs or 0)
-            )
-        if len(seq.prompt_logprobs) >= seq.num_prompt_tokens:
-            seq.prompt_logprobs_done = True
+        if not keep:
+            return []
+        ids = [seq.token_ids[targets[j]] for j in keep]
+        return logprobs_of(rows[keep], ids, seq.params.prompt_logprobs or 0)
 
     @staticmethod
     def _match_vocab(probs: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:

@@ -13,9 +13,13 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
+from engine.outputs import TokenLogprob
 from engine.sample import structured
-from engine.sequence import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
+from engine.sample.sampling_params import SamplingParams
+from engine.sequence import ScheduledSeq, SchedulerOutput, SeqResult, Sequence, SequenceStatus
 from engine.spec_decode.planner import SpecPlanner
+
+Stop = tuple[str, int | str | None]  # (finish reason, stop reason)
 
 
 class Scheduler:
@@ -25,11 +29,13 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         planner: SpecPlanner | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.config = config
         self.planner = planner
         self.blocks = block_manager
         self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -77,19 +83,74 @@ class Scheduler:
             budget -= _cost(admitted)
         return SchedulerOutput(scheduled, num_preempted)
 
-    def update_from_output(
-        self, item: ScheduledSeq, num_accepted: int, num_draft_computed: int | None, proposer: str
-    ) -> None:
-        """The one place a request's progress advances after a step. Rejected drafts are rolled
-        back by not counting them: only the accepted drafts' K/V count as computed."""
+    def update_from_output(self, item: ScheduledSeq, result: SeqResult) -> int:
+        """The one place a step's outcome changes a request: its tokens appended and its stop
+        decided, its progress advanced. Rejected drafts are rolled back by not counting them: only
+        the accepted drafts' K/V count as computed. Returns the tokens emitted."""
         seq = item.seq
-        seq.num_computed_tokens += item.num_new_tokens + num_accepted
-        if num_draft_computed is not None:
-            seq.num_draft_computed_tokens = num_draft_computed
+        self._record_prompt_logprobs(seq, result.prompt_logprobs)
+        num_emitted, stop = self._append(seq, result) if item.reaches_end else (0, None)
+        seq.num_computed_tokens += item.num_new_tokens + result.num_accepted
+        if result.num_draft_computed is not None:
+            seq.num_draft_computed_tokens = result.num_draft_computed
         seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
         if self.planner is not None and item.reaches_end:
-            self.planner.observe(seq.spec_state, proposer, item.k_for(proposer), num_accepted)
+            k = item.k_for(result.proposer)
+            state = self.planner.state_of(seq)
+            self.planner.observe(state, result.proposer, k, result.num_accepted)
         self._cache_blocks(seq)
+        if stop is not None:
+            self.finish(seq, *stop)
+        return num_emitted
+
+    def request_k(self, params: SamplingParams) -> int:
+        """A request's own k: the server's, capped by the request's `num_speculative_tokens`."""
+        spec = self.config.speculative
+        k = spec.num_speculative_tokens if spec.enabled else 0
+        return k if params.num_speculative_tokens is None else min(k, params.num_speculative_tokens)
+
+    def _append(self, seq: Sequence, result: SeqResult) -> tuple[int, Stop | None]:
+        """Append a verified run token by token; a stop inside the run cuts it there. Returns the
+        tokens appended and the stop, if one was hit."""
+        seq.spec.add(result.num_drafts, result.num_accepted, result.proposer)
+        if seq.times.first_token is None:
+            seq.times.first_token = time.monotonic()
+        for i, token in enumerate(result.tokens):
+            seq.token_ids.append(token)
+            seq.pending_token_ids.append(token)
+            if result.logprobs is not None:
+                seq.pending_logprobs.append(result.logprobs[i])
+            if seq.params.token_origins:
+                seq.origins.append(result.origin(i))
+            stop = self._stop(seq, token)
+            if stop is not None:
+                return i + 1, stop
+        return len(result.tokens), None
+
+    def _stop(self, seq: Sequence, token: int) -> Stop | None:
+        """Length is checked once, at admission (prompt + max_tokens fits the context window), so
+        max_tokens is the only length a request can reach."""
+        params = seq.params
+        stop_string = seq.detokenizer.append(token)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop", None
+        if token in params.stop_token_ids:
+            return "stop", token
+        if stop_string is not None:
+            return "stop", stop_string
+        if structured.advance(seq.constraint, token):  # the grammar is complete
+            return "stop", None
+        if seq.num_output_tokens >= params.max_tokens:
+            return "length", None
+        return None
+
+    @staticmethod
+    def _record_prompt_logprobs(seq: Sequence, new: list[TokenLogprob]) -> None:
+        if not seq.wants_prompt_logprobs:
+            return
+        seq.prompt_logprobs.extend(new)
+        if len(seq.prompt_logprobs) >= seq.num_prompt_tokens:
+            seq.prompt_logprobs_done = True
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark a request finished (stop, length, abort) and return its blocks."""

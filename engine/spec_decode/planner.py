@@ -184,6 +184,15 @@ class SpecPlanner:
         self.priors = {name: AcceptanceEstimate() for name in proposers}
         self.verified = dict.fromkeys(proposers, 0)  # draft steps verified so far, per proposer
         self.lengths = OutputLengths()
+        self.states: dict[str, RequestSpecState] = {}  # request id -> its own drafts' record
+
+    def state_of(self, seq: Sequence) -> RequestSpecState:
+        """A running request's record (kept here, not on the request: policy state is the
+        planner's), dropped when the request finishes."""
+        state = self.states.get(seq.request_id)
+        if state is None:
+            state = self.states[seq.request_id] = RequestSpecState()
+        return state
 
     def plan(self, batch: list[ScheduledSeq], ngram_drafts: Callable[[ScheduledSeq], int]) -> None:
         """Cut each adaptive request's spec_k ceilings down to the step's best plan.
@@ -220,7 +229,7 @@ class SpecPlanner:
             for name in item.spec_k:
                 picked = option is not None and name == option.proposer
                 item.spec_k[name] = drafts if picked else 0
-                item.seq.spec_state.track(name).planned(
+                self.state_of(item.seq).track(name).planned(
                     item.spec_k[name],
                     picked and option.probe,  # type: ignore[union-attr]
                 )
@@ -234,8 +243,9 @@ class SpecPlanner:
         self.verified[proposer] += 1
 
     def finished(self, seq: Sequence) -> None:
-        """A request ended: its answer's length joins the window unless it was aborted (a
-        length-limited one counts as capped)."""
+        """A request ended: its record goes, its answer's length joins the window unless it was
+        aborted (a length-limited one counts as capped)."""
+        self.states.pop(seq.request_id, None)
         if seq.finish_reason != "abort":
             self.lengths.observe(seq.num_output_tokens, capped=seq.finish_reason == "length")
 
@@ -250,7 +260,7 @@ class SpecPlanner:
     ) -> DraftOption | None:
         """The request's n-gram match or the draft model, whichever gives the step more tokens
         per second; the draft only where its catch-up (if any) pays."""
-        state, seq = item.seq.spec_state, item.seq
+        state, seq = self.state_of(item.seq), item.seq
         matched = ngram_drafts(item) if item.k_for("ngram") else 0
         ngram = self._gains(state, "ngram", matched) if matched else None
         draft = self._gains(state, "draft", item.k_for("draft")) if item.k_for("draft") else None

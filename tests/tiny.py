@@ -9,6 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -73,6 +74,7 @@ _FAMILIES: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "mistral": MistralConfig,
+    "gemma3": Gemma3TextConfig,
 }
 
 
@@ -89,9 +91,9 @@ def tiny_config(
     tie_word_embeddings: bool | None = None,
     **overrides: Any,
 ) -> PretrainedConfig:
-    """A small config of the family; tied embeddings by default for qwen2/qwen3."""
+    """A small config of the family; tied embeddings by default for qwen2/qwen3/gemma3."""
     if tie_word_embeddings is None:
-        tie_word_embeddings = family in ("qwen2", "qwen3")
+        tie_word_embeddings = family in ("qwen2", "qwen3", "gemma3")
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

@@ -19,12 +19,17 @@ layer for K and for V, so one gather gives contiguous `[kv_heads, batch, len, he
 
 On the CPU, short groups skip the gather: the native kernel (engine.model.native_attention)
 reads K and V in place through the block tables, when the kernel library is loaded.
+
+Sliding-window layers (Gemma 3's local layers) see the same forward through `meta.sliding`:
+groups whose masks also hide keys at or before `p - window` from the query at position p. They
+take the gathered path (the native kernel has no window), and the pool still holds every
+position: the window limits what is read, not what is kept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +84,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     groups: tuple[AttentionGroup, ...]
     block_size: int
+    # the forward as sliding-window layers see it (same slots, windowed groups); None: no window
+    sliding: AttentionMetadata | None = None
 
     @classmethod
     def build(
@@ -87,22 +94,40 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         uniform: bool = False,
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
         """`uniform`: short groups always carry a mask and a query index, even where the batch
-        needs neither, so that a compiled graph sees one structure for every decode batch."""
+        needs neither, so that a compiled graph sees one structure for every decode batch.
+        `sliding_window`: the model has layers whose query at p sees keys (p - window, p] only;
+        `sliding` then describes the forward for them."""
         slots = [_slots(span, block_size) for span in spans]
         slot_mapping = torch.tensor([s for ss in slots for s in ss], dtype=torch.int64)
-        groups = []
-        token_start = 0
-        for run in _group_runs(spans):
-            groups.append(_build_group(run, token_start, block_size, device, uniform))
-            token_start += sum(span.num_tokens for span in run)
-        return cls(slot_mapping.to(device, non_blocking=True), tuple(groups), block_size)
+        slot_mapping = slot_mapping.to(device, non_blocking=True)
+        meta = cls(slot_mapping, _groups(spans, block_size, device, uniform, None), block_size)
+        if sliding_window is None:
+            return meta
+        windowed = _groups(spans, block_size, device, uniform, sliding_window)
+        return replace(meta, sliding=cls(slot_mapping, windowed, block_size))
 
     @property
     def short_only(self) -> bool:
         """One group of short queries: a batch of decodes and verify queries, no prefill."""
         return len(self.groups) == 1 and self.groups[0].max_query_len <= SHORT_QUERY_MAX
+
+
+def _groups(
+    spans: Sequence[RequestSpan],
+    block_size: int,
+    device: torch.device,
+    uniform: bool,
+    window: int | None,
+) -> tuple[AttentionGroup, ...]:
+    groups = []
+    token_start = 0
+    for run in _group_runs(spans):
+        groups.append(_build_group(run, token_start, block_size, device, uniform, window))
+        token_start += sum(span.num_tokens for span in run)
+    return tuple(groups)
 
 
 def _slots(span: RequestSpan, block_size: int) -> list[int]:
@@ -136,6 +161,7 @@ def _build_group(
     block_size: int,
     device: torch.device,
     uniform: bool,
+    window: int | None,  # keys (p - window, p] only; None: all of (0, p]
 ) -> AttentionGroup:
     max_q = max(span.num_tokens for span in run)
     max_blocks = max(-(-span.context_len // block_size) for span in run)
@@ -146,9 +172,11 @@ def _build_group(
     num_tokens = sum(span.num_tokens for span in run)
     short = max_q <= SHORT_QUERY_MAX
     causal = causal_prefill(device) and not short and len(run) == 1 and run[0].start_pos == 0
-    mask = None if causal else _mask(run, max_q, max_blocks * block_size, uniform and short)
+    causal = causal and (window is None or run[0].context_len <= window)
+    mask = None if causal else _mask(run, max_q, max_blocks * block_size, uniform and short, window)
     if short and mask is not None:
         mask = _bias(mask)
+    native = short and window is None
     return AttentionGroup(
         token_start=token_start,
         token_end=token_start + num_tokens,
@@ -157,8 +185,9 @@ def _build_group(
         block_tables=tables.to(device, non_blocking=True),
         mask=None if mask is None else mask.to(device, non_blocking=True),
         query_index=_query_index(run, max_q, device, always=uniform and short),
-        start_pos=_lengths([span.start_pos for span in run], device) if short else None,
-        query_lens=_lengths([span.num_tokens for span in run], device) if short else None,
+        # the native kernel has no window: a windowed group keeps the gathered path
+        start_pos=_lengths([span.start_pos for span in run], device) if native else None,
+        query_lens=_lengths([span.num_tokens for span in run], device) if native else None,
         causal=causal,
         first_block=None if short or len(run) > 1 else _first_of_run(run[0], block_size),
     )
@@ -182,9 +211,14 @@ def causal_prefill(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def _mask(run: list[RequestSpan], max_q: int, kv_len: int, always: bool) -> torch.Tensor | None:
-    """Query j of a request sees keys [0, start_pos + j]; padded query rows see key 0 only."""
-    if not always and len(run) == 1 and run[0].num_tokens == 1 and run[0].context_len == kv_len:
+def _mask(
+    run: list[RequestSpan], max_q: int, kv_len: int, always: bool, window: int | None = None
+) -> torch.Tensor | None:
+    """Query j of a request sees keys [0, start_pos + j] (with a window, only the last `window`
+    of them); padded query rows see key 0 only."""
+    sees_all = window is None or run[0].context_len <= window
+    one_decode = len(run) == 1 and run[0].num_tokens == 1 and run[0].context_len == kv_len
+    if not always and one_decode and sees_all:
         return None
     start = torch.tensor([span.start_pos for span in run], dtype=torch.int64)
     qlen = torch.tensor([span.num_tokens for span in run], dtype=torch.int64)
@@ -193,6 +227,8 @@ def _mask(run: list[RequestSpan], max_q: int, kv_len: int, always: bool) -> torc
     last_key = torch.where(j[None, :] < qlen[:, None], last_key, 0)
     keys = torch.arange(kv_len)
     mask = keys[None, None, :] <= last_key[:, :, None]  # [batch, max_q, kv_len]
+    if window is not None:
+        mask &= keys[None, None, :] > last_key[:, :, None] - window
     return mask[:, None]
 
 

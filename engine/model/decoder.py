@@ -1,26 +1,30 @@
-"""The decoder-only family: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM.
+"""The decoder-only family: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM, Gemma 3.
 
-One module covers them all: RMSNorm, RoPE (scaling from transformers' own init functions),
-grouped-query attention with optional QKV bias (Qwen2) and q/k RMSNorm (Qwen3), a SwiGLU MLP,
-tied or untied embeddings. It runs over a flat ragged batch (`input_ids [T]`, `positions [T]`)
-with paged KV caches described by one `AttentionMetadata`.
+One module covers them all: RMSNorm, RoPE (engine.model.rope), grouped-query attention with
+optional QKV bias (Qwen2) and q/k RMSNorm (Qwen3, Gemma 3), a gated MLP, tied or untied
+embeddings. Gemma 3 is the same decoder with switches on (`DecoderShape`): norms that scale by
+1 + weight, a GeGLU MLP, a norm after each sublayer too, scaled embeddings, its own attention
+scale, and local layers with a sliding window and a rope of their own. It runs over a flat
+ragged batch (`input_ids [T]`, `positions [T]`) with paged KV caches described by one
+`AttentionMetadata`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Protocol, Union, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.kernels import fused_ops
 from engine.model.attention import AttentionMetadata, attend, paged_attention
 from engine.model.quant.formats import QuantizedWeight
+from engine.model.rope import Rope, Rotary, apply_rope, rope_layer_types
 
 if TYPE_CHECKING:
     from engine.model.quant.gguf_weights import GgufRows
@@ -46,6 +50,14 @@ class DecoderShape:
     o_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
+    # Gemma's switches (engine.model.families sets them); the defaults are Llama's
+    norm_offset: bool = False  # RMSNorm scales by 1 + weight, in float32, rounding once
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    sandwich_norms: bool = False  # a norm after each sublayer too, before the residual add
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power
+    sliding_window: int | None = None  # the "sliding_attention" layers' window
+    layer_types: tuple[str, ...] = ()  # "sliding_attention" / "full_attention" each; (): all full
 
     @classmethod
     def from_config(
@@ -76,17 +88,28 @@ class DecoderShape:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
+        self.offset = offset  # Gemma's: x * (1 + weight), the checkpoint holding weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 and round before the weight, as the reference implementations do.
+        # Normalize in float32 and round before the weight, as the reference implementations do;
+        # Gemma's rounds after it (transformers' Gemma3RMSNorm).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
     def add_forward(
@@ -96,8 +119,9 @@ class RMSNorm(nn.Module):
         out_dtype: torch.dtype,  # the model's, or float32 for a GEMM that reads float32
     ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + residual) in out_dtype, x + residual
         """The residual add and the norm after it, one native pass where the fused ops run (the
-        same roundings as the eager ops); compiled graphs keep the eager ops for inductor to fuse."""
-        if not torch.compiler.is_compiling() and fused_ops.usable(x):
+        same roundings as the eager ops); compiled graphs keep the eager ops for inductor to fuse,
+        and Gemma's offset norms the eager ones (the native ops round before the weight)."""
+        if not self.offset and not torch.compiler.is_compiling() and fused_ops.usable(x):
             if residual is None:
                 return fused_ops.rmsnorm(x, self.weight, self.eps, out_dtype), x
             return fused_ops.add_rmsnorm(x, residual, self.weight, self.eps, out_dtype)
@@ -116,6 +140,18 @@ def silu_mul(
     return fused_ops.silu_mul_reference(gate_up, dtype, out_dtype)
 
 
+def gelu_tanh_mul(
+    gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate]: dtype, or float32 before rounding
+    dtype: torch.dtype,  # the model's: where the eager ops round
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [num_tokens, intermediate]: gelu_tanh(gate) * up (Gemma's GeGLU)
+    gate, up = gate_up.to(dtype).chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") * up).to(out_dtype)
+
+
+_GATED = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
+
+
 def gemm_input_dtype(linear: nn.Module, dtype: torch.dtype) -> torch.dtype:
     """The dtype a linear layer reads without a cast: float32 for the GGUF kernels
     (QuantLinear.input_dtype), else the model's."""
@@ -132,71 +168,31 @@ def gemm_unrounded(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [M, i
     return unrounded(x)
 
 
-class Rotary:
-    """Precomputed cos/sin tables (float32) for positions [0, max_positions)."""
-
-    def __init__(self, config: PretrainedConfig, head_dim: int, device: torch.device) -> None:
-        inv_freq, scaling = _inv_freq(config, head_dim)
-        positions = torch.arange(_rope_table_len(config), dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        signs = torch.cat((-torch.ones_like(freqs), torch.ones_like(freqs)), dim=-1)
-        self.cos = (emb.cos() * scaling).to(device)  # [max_positions, head_dim]
-        # sin with its first half negated: rotate_half(x) * sin == x.roll(half) * signed_sin
-        self.signed_sin = (emb.sin() * scaling * signs).to(device)
-
-    def tables(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, 1, head_dim]: cos, signed sin
-        cos, sin = self.cos[positions].to(dtype), self.signed_sin[positions].to(dtype)
-        return cos[:, None], sin[:, None]
-
-
-def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        return inv_freq.float(), float(scaling)
-    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / (base**exponents), 1.0
-
-
-def _rope_table_len(config: PretrainedConfig) -> int:
-    return int(config.max_position_embeddings)
-
-
-def apply_rope(
-    x: torch.Tensor,  # [num_tokens, heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-    signed_sin: torch.Tensor,  # [num_tokens, 1, head_dim]: sin, its first half negated
-) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) taken as a roll of x
-    times the sign folded into the table: the same products, four ops instead of seven."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 class Attention(nn.Module):
-    def __init__(self, shape: DecoderShape) -> None:
+    def __init__(self, shape: DecoderShape, sliding: bool = False) -> None:
         super().__init__()
         self.shape = shape
+        self.sliding = sliding  # reads the forward through `meta.sliding`: keys in its window
         out = shape.q_size + 2 * shape.kv_size
         self.qkv_proj = nn.Linear(shape.hidden_size, out, bias=shape.qkv_bias)
         # nn.Module: quantization and tensor parallelism swap the row-parallel projections
         self.o_proj: nn.Module = nn.Linear(shape.q_size, shape.hidden_size, bias=shape.o_bias)
-        self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
-        self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
-        self.scale = shape.head_dim**-0.5
+        norm = partial(RMSNorm, shape.head_dim, shape.rms_norm_eps, shape.norm_offset)
+        self.q_norm = norm() if shape.qk_norm else None
+        self.k_norm = norm() if shape.qk_norm else None
+        self.scale = shape.attention_scale
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]: the model dtype, or float32 before rounding to it
         s = self.shape
+        if self.sliding:
+            assert meta.sliding is not None, "a sliding-window model's metadata lacks its window"
+            meta = meta.sliding
         qk, v = self.qkv_proj(x).split([s.q_size + s.kv_size, s.kv_size], dim=-1)
         qk = qk.view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
@@ -216,6 +212,7 @@ class MLP(nn.Module):
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
         self.intermediate_size = shape.intermediate_size
+        self.gated = _GATED[shape.activation]
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.down_proj: nn.Module = nn.Linear(
             shape.intermediate_size, shape.hidden_size, bias=False
@@ -227,23 +224,28 @@ class MLP(nn.Module):
         dtype: torch.dtype,  # the model's
     ) -> torch.Tensor:  # [num_tokens, hidden]: dtype, or float32 before rounding to it
         gate_up = gemm_unrounded(self.gate_up_proj, x)  # [num_tokens, 2 * intermediate]
-        act = silu_mul(gate_up, dtype, gemm_input_dtype(self.down_proj, dtype))
+        act = self.gated(gate_up, dtype, gemm_input_dtype(self.down_proj, dtype))
         return gemm_unrounded(self.down_proj, act)  # the next norm rounds it
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: DecoderShape) -> None:
+    def __init__(self, shape: DecoderShape, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = Attention(shape)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        norm = partial(RMSNorm, shape.hidden_size, shape.rms_norm_eps, shape.norm_offset)
+        self.sliding = shape.is_sliding(index)
+        self.input_layernorm = norm()
+        self.self_attn = Attention(shape, self.sliding)
+        # Llama's: the MLP's norm; with sandwich norms (Gemma's), the attention output's
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(shape)
+        self.pre_feedforward_layernorm = norm() if shape.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if shape.sandwich_norms else None
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]: the last sublayer's output (or the embeddings)
         residual: torch.Tensor | None,  # [num_tokens, hidden]: the stream before x; None: none
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # the MLP's output, the stream before it
@@ -255,10 +257,27 @@ class DecoderLayer(nn.Module):
             x, residual, gemm_input_dtype(attn.qkv_proj, dtype)
         )
         x = attn(h, rope, kv_cache, meta)
+        if self.pre_feedforward_layernorm is not None:
+            return self._sandwich_mlp(x, residual, dtype)
         h, residual = self.post_attention_layernorm.add_forward(
             x, residual, gemm_input_dtype(mlp.gate_up_proj, dtype)
         )
         return mlp(h, dtype), residual
+
+    def _sandwich_mlp(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the attention's output
+        residual: torch.Tensor,  # [num_tokens, hidden]: the stream before it
+        dtype: torch.dtype,  # the model's
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the MLP's output (normed), the stream before it
+        """Gemma's: each sublayer's output is normed before it joins the stream."""
+        assert self.pre_feedforward_layernorm is not None
+        assert self.post_feedforward_layernorm is not None
+        x = self.post_attention_layernorm(x.to(dtype))
+        h, residual = self.pre_feedforward_layernorm.add_forward(
+            x, residual, gemm_input_dtype(self.mlp.gate_up_proj, dtype)
+        )
+        return self.post_feedforward_layernorm(self.mlp(h, dtype).to(dtype)), residual
 
 
 # transformers parameter name suffix -> (our parameter, shard index within a fused parameter)
@@ -279,7 +298,7 @@ class LayerStack(Protocol):
     def __call__(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]: the embedded tokens
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor: ...  # [num_tokens, hidden]: the final norm's output
@@ -290,14 +309,15 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.shape = shape
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, shape.norm_offset)
         self.lm_head = (
             None
             if shape.tie_word_embeddings
             else nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         )
         self.rotary: Rotary | None = None
+        self.local_rotary: Rotary | None = None  # the sliding layers' when their rope differs
         # the layer stack as a compiled graph where it fits the batch (engine.model.decode_graph)
         self.compiled_layers: Callable[..., torch.Tensor] | None = None
         # the layer stack in one native call for decode and verify forwards (decoder_stack)
@@ -325,7 +345,13 @@ class DecoderModel(nn.Module):
         self.lm_head = nn.Linear(self.shape.hidden_size, num_scored, bias=False)
 
     def init_rotary(self, config: PretrainedConfig, device: torch.device) -> None:
-        self.rotary = Rotary(config, self.shape.head_dim, device)
+        head_dim, types = self.shape.head_dim, rope_layer_types(config)
+        if not types:
+            self.rotary = Rotary(config, head_dim, device)
+            return
+        self.rotary = Rotary(config, head_dim, device, "full_attention")
+        if "sliding_attention" in types:
+            self.local_rotary = Rotary(config, head_dim, device, "sliding_attention")
 
     def forward(
         self,
@@ -335,23 +361,35 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         assert self.rotary is not None, "call init_rotary first"
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
+        if self.shape.layer_types:  # layers of two kinds: the eager loop picks each one's rope
+            local = (self.local_rotary or self.rotary).tables(positions, x.dtype)
+            return self.run_layers(x, rope, kv_caches, meta, local)
         if self.native_stack is not None and self.native_stack.accepts(x, meta):
             return self.native_stack(x, rope, kv_caches, meta)
         run_layers = self.compiled_layers or self.run_layers
         return run_layers(x, rope, kv_caches, meta)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        x = self.embed_tokens(input_ids)
+        if self.shape.embed_scale is None:
+            return x
+        # in the table's dtype, as transformers does: sqrt(3072) becomes 55.5 in bfloat16
+        return x * torch.tensor(self.shape.embed_scale).to(x.dtype)
+
     def run_layers(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]: the embedded tokens
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        local_rope: Rope | None = None,  # the sliding layers' (None: theirs is `rope`)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+            layer_rope = local_rope if layer.sliding and local_rope is not None else rope
+            x, residual = layer(x, residual, layer_rope, kv_cache, meta)
         dtype = x.dtype if residual is None else residual.dtype
         return self.norm.add_forward(x, residual, dtype)[0]
 

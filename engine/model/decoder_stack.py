@@ -7,8 +7,8 @@ and torch's dispatcher (module calls, kernel selection, casts, views): ~3.5 ms o
 
 It applies where every one of them would run natively anyway: a CPU model whose linear layers
 are all GGUF blocks on the native kernels (`quantization: gguf`), no tensor parallelism, no q/k
-norm, and a forward of short queries only (decodes and verify queries, `AttentionMetadata.
-short_only`) in a dtype the fused ops and the attention kernel take. Prompt chunks, other
+norm nor any of Gemma's switches, and a forward of short queries only (decodes and verify
+queries, `AttentionMetadata.short_only`) in a dtype the fused ops and the attention kernel take. Prompt chunks, other
 devices, compiled graphs and forwards where a chunk would take the dense prefill GEMM keep the
 Python loop. `SPECSERVE_DECODER_STACK=0` turns it off.
 """
@@ -73,8 +73,8 @@ class NativeStack:
 def build(model: DecoderModel) -> NativeStack | None:
     """The native stack for a loaded model, or None where it does not apply."""
     s = model.shape
-    if not (ENABLED and _library_has_stack()) or s.qk_norm:
-        return None
+    if not (ENABLED and _library_has_stack()) or s.qk_norm or s.norm_offset or s.layer_types:
+        return None  # layers.cpp has Llama's layer only: no q/k norms, Gemma's norms or windows
     if model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (
         torch.float32,
         torch.bfloat16,

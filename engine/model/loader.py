@@ -33,6 +33,15 @@ from engine.model.quant.for_device import quantization_for_weights
 
 _CONVERTED_DONE = "specserve-converted.json"
 
+# Architectures served from safetensors but not from GGUF, and why
+_GGUF_REFUSED = {
+    "Gemma3ForCausalLM": (
+        "transformers' GGUF config reader drops Gemma 3's rope scaling (rope.scaling.*) and "
+        "attention scale (query_pre_attn_scalar differs from head_dim on the 27B), so the model "
+        "would run inexactly; load its safetensors checkpoint instead"
+    ),
+}
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -155,8 +164,7 @@ def converted_gguf(path: Path) -> Path:
     out = cache_root() / "converted" / _gguf_key(path)
     if (out / _CONVERTED_DONE).exists():
         return out
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    check_supported(architecture_of(config))
+    _check_gguf(AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name))
     with FileLock(f"{out}.lock"):  # one process at a time (tests and servers may race)
         if not (out / _CONVERTED_DONE).exists():
             _convert_into(path, out)
@@ -179,12 +187,19 @@ def gguf_metadata(path: Path) -> Path:
 
 def _save_config_and_tokenizer(path: Path, out: Path) -> None:
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    check_supported(architecture_of(config))
+    _check_gguf(config)
     config.architectures = [architecture_of(config)]
     config.save_pretrained(str(out))
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
     (out / _CONVERTED_DONE).write_text(json.dumps({"source": str(path.resolve())}) + "\n")
+
+
+def _check_gguf(config: PretrainedConfig) -> None:
+    architecture = architecture_of(config)
+    check_supported(architecture)
+    if architecture in _GGUF_REFUSED:
+        raise ValueError(f"{architecture} from a GGUF file: {_GGUF_REFUSED[architecture]}")
 
 
 def _prune_stale(path: Path, keep: Path) -> None:

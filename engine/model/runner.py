@@ -63,6 +63,8 @@ class ModelRunner:
         head = None if head_rows is None else (head_rows, self.eos_token_ids)
         self.model = _build_model(loaded, self.device, self.dtype, self.tp, head)
         self.weights: WeightSummary = summarize(self.model)
+        # a model with sliding-window layers runs its eager loop (DecoderModel.forward)
+        compile_decode = compile_decode and not self.model.shape.layer_types
         self.decode_graph = DecodeGraph(self.model) if compile_decode else None
         self.model.compiled_layers = self.decode_graph
         if self.device.type == "cpu":
@@ -94,9 +96,11 @@ class ModelRunner:
     @property
     def max_model_len(self) -> int:
         limit = int(self.hf_config.max_position_embeddings)
+        if self.model.shape.sliding_window is not None:
+            return limit  # its layers' windows are honoured (Gemma 3): no limit of theirs
         window = getattr(self.hf_config, "sliding_window", None)
         uses_window = getattr(self.hf_config, "use_sliding_window", True)
-        # Attention here is always full: past a sliding window the model would be wrong.
+        # Other families' attention is full here: past their window the model would be wrong.
         return min(limit, int(window)) if window and uses_window else limit
 
     @property
@@ -181,7 +185,8 @@ class ModelRunner:
         spans = [span for i in inputs for span in _spans(i)]
         # the compiled graph runs only batches of one request: only those need its one structure
         uniform = self.decode_graph is not None and len(spans) == 1
-        meta = AttentionMetadata.build(spans, self.block_size, self.device, uniform)
+        window = self.model.shape.sliding_window
+        meta = AttentionMetadata.build(spans, self.block_size, self.device, uniform, window)
         with forward_chunks([span.num_tokens for span in spans]):
             hidden = self.model(
                 input_ids.to(self.device, non_blocking=True),

@@ -39,8 +39,11 @@ fetch-models: install
 serve: install fetch-models
 	$(BIN)/specserve serve --config $(CONFIG)
 
+# Two workers, each test file on one (its module fixtures, a live server or a loaded model, built
+# once): 7 min on a 2-core host where one worker took about twice that.
+JOBS ?= 2
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile tests
 
 lint: install
 	$(BIN)/ruff check engine server tests bench specserve

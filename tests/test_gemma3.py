@@ -126,17 +126,22 @@ def test_settings_the_decoder_lacks_are_refused_by_name(setting: dict[str, objec
         build_decoder("Gemma3ForCausalLM", config)
 
 
-def test_windowed_mask_sees_the_last_window_keys_only() -> None:
-    """Query at position p of a local layer sees keys (p - window, p]."""
-    span = RequestSpan(start_pos=10, num_tokens=3, block_table=list(range(4)))
+def test_windowed_group_reads_the_last_window_keys_only() -> None:
+    """Query at position p of a local layer sees keys (p - window, p]; blocks before the first
+    query's window are not read at all."""
+    span = RequestSpan(start_pos=20, num_tokens=3, block_table=list(range(100, 106)))
     meta = AttentionMetadata.build([span], BLOCK_SIZE, torch.device("cpu"), sliding_window=4)
-    assert meta.sliding is not None and meta.groups[0].start_pos is not None
+    (full,) = meta.groups
+    assert full.start_pos is not None and full.block_tables.shape == (1, 6)
+    assert meta.sliding is not None
     (group,) = meta.sliding.groups
     assert group.start_pos is None  # the native kernel has no window: the gathered path
+    assert group.block_tables.tolist() == [[104, 105]]  # positions 16..23
     assert group.mask is not None
-    seen = group.mask[0, 0] == 0  # [3, 16]: the additive bias of a short group
-    for j, p in enumerate(range(10, 13)):
-        assert seen[j].nonzero().flatten().tolist() == list(range(p - 3, p + 1))
+    seen = group.mask[0, 0] == 0  # [3, 8]: the additive bias of a short group
+    for j, p in enumerate(range(20, 23)):
+        positions = [16 + k for k in seen[j].nonzero().flatten().tolist()]
+        assert positions == list(range(p - 3, p + 1))
 
 
 # ---- logits against transformers ---------------------------------------------------------------

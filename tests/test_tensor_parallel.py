@@ -90,14 +90,19 @@ class ThreadTP(TensorParallel):
         return self.group.all_reduce(self.rank, x)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+# Gemma 3: a local layer whose window (8) the 20-token prompt passes, then a global one
+GEMMA3 = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_shards_reproduce_the_whole_model(
     family: str, world_size: int, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """TP 2 splits the 2 KV heads; TP 4 replicates each on two ranks. Every rank ends with the
     unsharded logits (prefill of two requests, then a decode step over the cached prefix)."""
-    model_dir = make_tiny_model(tmp_path_factory.mktemp(family), family=family, seed=5)
+    config: dict[str, Any] = GEMMA3 if family == "gemma3" else {}
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(family), family=family, seed=5, **config)
     steps = [
         [ForwardInput(list(range(5, 25)), 0, [0, 1], 20), ForwardInput([7, 8, 9], 0, [2], 3)],
         [ForwardInput([30], 20, [0, 1], 1), ForwardInput([31, 32], 3, [2], 2)],

@@ -21,9 +21,11 @@ On the CPU, short groups skip the gather: the native kernel (engine.model.native
 reads K and V in place through the block tables, when the kernel library is loaded.
 
 Sliding-window layers (Gemma 3's local layers) see the same forward through `meta.sliding`:
-groups whose masks also hide keys at or before `p - window` from the query at position p. They
-take the gathered path (the native kernel has no window), and the pool still holds every
-position: the window limits what is read, not what is kept.
+groups whose masks also hide keys at or before `p - window` from the query at position p, and
+whose block tables start at the first block a request's window reaches, so a local layer reads
+about `window` keys, not the whole context. They take the gathered path (the native kernel has
+no window); the pool still holds every position: the window limits what is read, not what is
+kept.
 """
 
 from __future__ import annotations
@@ -164,16 +166,22 @@ def _build_group(
     window: int | None,  # keys (p - window, p] only; None: all of (0, p]
 ) -> AttentionGroup:
     max_q = max(span.num_tokens for span in run)
-    max_blocks = max(-(-span.context_len // block_size) for span in run)
+    skipped = [_blocks_before_window(span, block_size, window) for span in run]
+    rows = [
+        span.block_table[skip : -(-span.context_len // block_size)]
+        for span, skip in zip(run, skipped, strict=True)
+    ]
+    max_blocks = max(len(row) for row in rows)
     tables = torch.zeros(len(run), max_blocks, dtype=torch.int64)
-    for b, span in enumerate(run):
-        n = -(-span.context_len // block_size)
-        tables[b, :n] = torch.tensor(span.block_table[:n], dtype=torch.int64)
+    for b, row in enumerate(rows):
+        tables[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
     num_tokens = sum(span.num_tokens for span in run)
     short = max_q <= SHORT_QUERY_MAX
     causal = causal_prefill(device) and not short and len(run) == 1 and run[0].start_pos == 0
     causal = causal and (window is None or run[0].context_len <= window)
-    mask = None if causal else _mask(run, max_q, max_blocks * block_size, uniform and short, window)
+    first_keys = [skip * block_size for skip in skipped]
+    kv_len = max_blocks * block_size
+    mask = None if causal else _mask(run, max_q, kv_len, uniform and short, window, first_keys)
     if short and mask is not None:
         mask = _bias(mask)
     native = short and window is None
@@ -189,13 +197,18 @@ def _build_group(
         start_pos=_lengths([span.start_pos for span in run], device) if native else None,
         query_lens=_lengths([span.num_tokens for span in run], device) if native else None,
         causal=causal,
-        first_block=None if short or len(run) > 1 else _first_of_run(run[0], block_size),
+        first_block=None if short or len(run) > 1 else _first_of_run(rows[0]),
     )
 
 
-def _first_of_run(span: RequestSpan, block_size: int) -> int | None:
-    """The span's first block when its blocks are consecutive in the pool, else None."""
-    table = span.block_table[: -(-span.context_len // block_size)]
+def _blocks_before_window(span: RequestSpan, block_size: int, window: int | None) -> int:
+    """Leading blocks of the context that none of the span's queries sees: all of them lie
+    before its first query's window. The group's tables and masks start past them."""
+    return 0 if window is None else max(0, span.start_pos - window + 1) // block_size
+
+
+def _first_of_run(table: Sequence[int]) -> int | None:
+    """The table's first block when its blocks are consecutive in the pool, else None."""
     first = table[0]
     return first if all(b == first + i for i, b in enumerate(table)) else None
 
@@ -212,10 +225,16 @@ def causal_prefill(device: torch.device) -> bool:
 
 
 def _mask(
-    run: list[RequestSpan], max_q: int, kv_len: int, always: bool, window: int | None = None
+    run: list[RequestSpan],
+    max_q: int,
+    kv_len: int,
+    always: bool,
+    window: int | None = None,
+    first_keys: list[int] | None = None,  # each request's position of its context's key 0
 ) -> torch.Tensor | None:
     """Query j of a request sees keys [0, start_pos + j] (with a window, only the last `window`
-    of them); padded query rows see key 0 only."""
+    of them); padded query rows see their context's first key only."""
+    first = torch.tensor(first_keys or [0] * len(run), dtype=torch.int64)  # [batch]
     sees_all = window is None or run[0].context_len <= window
     one_decode = len(run) == 1 and run[0].num_tokens == 1 and run[0].context_len == kv_len
     if not always and one_decode and sees_all:
@@ -224,11 +243,11 @@ def _mask(
     qlen = torch.tensor([span.num_tokens for span in run], dtype=torch.int64)
     j = torch.arange(max_q)
     last_key = start[:, None] + j[None, :]  # [batch, max_q]
-    last_key = torch.where(j[None, :] < qlen[:, None], last_key, 0)
-    keys = torch.arange(kv_len)
-    mask = keys[None, None, :] <= last_key[:, :, None]  # [batch, max_q, kv_len]
+    last_key = torch.where(j[None, :] < qlen[:, None], last_key, first[:, None])
+    keys = (first[:, None] + torch.arange(kv_len)[None, :])[:, None, :]  # [batch, 1, kv_len]
+    mask = keys <= last_key[:, :, None]  # [batch, max_q, kv_len]
     if window is not None:
-        mask &= keys[None, None, :] > last_key[:, :, None] - window
+        mask &= keys > last_key[:, :, None] - window
     return mask[:, None]
 
 

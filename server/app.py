@@ -1,4 +1,6 @@
-"""The FastAPI app: routes parse and check, `OpenAIServing` works, every error is OpenAI-shaped."""
+"""The FastAPI app: the engine's life (load, start, drain), one room of routes per API
+(`server/openai`, `server/responses`, `server/messages`) and the playground, the open routes
+(`/health`, `/live`, `/metrics`, `/version`), errors in each API's shape, and the API key."""
 
 from __future__ import annotations
 
@@ -20,24 +22,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.sample import structured
-from server.errors import RETRY_AFTER, APIError, bad_request, not_ready
+from server.errors import RETRY_AFTER, APIError, not_ready
+from server.messages.routes import messages_routes
+from server.messages.serving import AnthropicServingMessages
 from server.metrics import CONTENT_TYPE, Metrics
+from server.openai.chat import OpenAIServingChat
+from server.openai.completions import OpenAIServingCompletion
+from server.openai.protocol_out import ModelCard, ModelWeights
+from server.openai.routes import openai_routes
+from server.openai.serving import ClientDisconnected, OpenAIServing, Stream, as_api_error
 from server.playground import add_playground, is_open_path
-from server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from server.protocol_out import ModelCard, ModelList, ModelWeights
-from server.request_body import json_body, validation_error
-from server.routes_messages import messages_routes
-from server.routes_responses import responses_routes
-from server.serving import ClientDisconnected, OpenAIServing, Stream, as_api_error
-from server.serving_chat import OpenAIServingChat
-from server.serving_completion import OpenAIServingCompletion
-from server.serving_messages import AnthropicServingMessages
-from server.serving_responses import OpenAIServingResponses
+from server.request_body import validation_error
+from server.responses.routes import responses_routes
+from server.responses.serving import OpenAIServingResponses
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -54,7 +51,6 @@ T = TypeVar("T")
 class Endpoints:
     """One serving object per endpoint, all on the same engine."""
 
-    common: OpenAIServing
     completions: OpenAIServingCompletion
     chat: OpenAIServingChat
     responses: OpenAIServingResponses
@@ -63,7 +59,6 @@ class Endpoints:
     @classmethod
     def build(cls, engine: AsyncLLM, settings: Settings, metrics: Metrics) -> Endpoints:
         return cls(
-            OpenAIServing(engine, settings, metrics),
             OpenAIServingCompletion(engine, settings, metrics),
             OpenAIServingChat(engine, settings, metrics),
             OpenAIServingResponses(engine, settings, metrics),
@@ -124,8 +119,11 @@ def create_app(
     app = FastAPI(title="specserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     _add_error_handlers(app)
-    app.include_router(_api_routes(state))
     sse = partial(_sse, settings=settings)
+    card = partial(_model_card, state)
+    app.include_router(
+        openai_routes(_ready(lambda e: e.completions), _ready(lambda e: e.chat), sse, card)
+    )
     app.include_router(responses_routes(_ready(lambda e: e.responses), sse, bool(settings.api_key)))
     app.include_router(messages_routes(_ready(lambda e: e.messages), sse))
     app.include_router(_open_routes(state))
@@ -188,71 +186,6 @@ def _ready(pick: Callable[[Endpoints], T]) -> Callable[[Request], T]:
     return serving
 
 
-CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
-ChatBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
-TokenizeBody = Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))]
-DetokenizeBody = Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))]
-
-
-def _api_routes(state: ServerState) -> APIRouter:
-    router = APIRouter()
-
-    @router.post("/v1/completions")
-    async def completions(req: CompletionBody, raw: Request, e: Serving) -> Response:
-        e.common.check_model(req.model)
-        if req.stream:
-            return _sse(e.common, await e.completions.create_stream(req), state.settings)
-        return JSONResponse((await e.completions.create(req, raw)).model_dump())
-
-    @router.post("/v1/chat/completions")
-    async def chat(req: ChatBody, raw: Request, e: Serving) -> Response:
-        e.common.check_model(req.model)
-        if req.stream:
-            return _sse(e.common, await e.chat.create_stream(req), state.settings)
-        return JSONResponse((await e.chat.create(req, raw)).model_dump())
-
-    @router.get("/v1/models")
-    async def models(e: Serving) -> ModelList:
-        s = e.common
-        weights = _model_weights(state.engine)
-        card = ModelCard(
-            id=s.model_name,
-            root=state.settings.model,
-            max_model_len=s.max_model_len,
-            quantization=weights[0].quantization if weights else None,
-            weights=weights or None,
-        )
-        return ModelList(data=[card])
-
-    @router.post("/tokenize")
-    async def tokenize(req: TokenizeBody, e: Serving) -> dict[str, Any]:
-        s = e.common
-        s.check_model(req.model)
-        if req.messages is not None:
-            ids = s.tokenizer.encode(e.chat.chat_prompt(req), add_special_tokens=False)
-        else:
-            ids = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": s.max_model_len}
-
-    @router.post("/detokenize")
-    async def detokenize(req: DetokenizeBody, e: Serving) -> dict[str, Any]:
-        e.common.check_model(req.model)
-        try:
-            return {"prompt": e.common.tokenizer.decode(req.tokens)}
-        except (ValueError, IndexError, TypeError, OverflowError) as exc:
-            raise bad_request(f"cannot decode these tokens: {exc}", "tokens") from None
-
-    @router.get("/tokenizer_info")
-    async def tokenizer_info(e: Serving) -> dict[str, Any]:
-        return _tokenizer_info(e.common)
-
-    @router.get("/version")
-    async def version_route() -> dict[str, str]:
-        return {"version": _version()}
-
-    return router
-
-
 def _open_routes(state: ServerState) -> APIRouter:
     router = APIRouter()
 
@@ -265,6 +198,10 @@ def _open_routes(state: ServerState) -> APIRouter:
     async def live() -> Response:
         """Liveness: 200 while loading, serving or draining."""
         return _status_response(state.status, state.status in LIVE_STATUSES)
+
+    @router.get("/version")
+    async def version_route() -> dict[str, str]:
+        return {"version": _version()}
 
     @router.get("/metrics")
     async def metrics() -> Response:
@@ -291,23 +228,6 @@ def _sse(s: OpenAIServing, stream: Stream, settings: Settings) -> EventSourceRes
         client_close_handler_callable=on_close,
         shutdown_grace_period=settings.shutdown_grace_s,
     )
-
-
-def _tokenizer_info(s: OpenAIServing) -> dict[str, Any]:
-    tok = s.tokenizer
-    return {
-        "tokenizer_class": type(tok).__name__,
-        "vocab_size": s.vocab_size,
-        "model_max_length": s.max_model_len,
-        "eos_token": tok.eos_token,
-        "eos_token_id": tok.eos_token_id,
-        "bos_token": tok.bos_token,
-        "bos_token_id": tok.bos_token_id,
-        "pad_token": tok.pad_token,
-        "pad_token_id": tok.pad_token_id,
-        "chat_template": getattr(tok, "chat_template", None),
-        "add_bos_token": getattr(tok, "add_bos_token", None),
-    }
 
 
 def _version() -> str:
@@ -364,6 +284,17 @@ class BearerAuth:
             return
         error = APIError(401, "invalid or missing API key", code="invalid_api_key")
         await error.response(scope["path"])(scope, receive, send)
+
+
+def _model_card(state: ServerState, s: OpenAIServing) -> ModelCard:
+    weights = _model_weights(state.engine)
+    return ModelCard(
+        id=s.model_name,
+        root=state.settings.model,
+        max_model_len=s.max_model_len,
+        quantization=weights[0].quantization if weights else None,
+        weights=weights or None,
+    )
 
 
 def _model_weights(engine: AsyncLLM | None) -> list[ModelWeights]:

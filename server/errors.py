@@ -7,8 +7,19 @@ import uuid
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
-from server.protocol import ErrorInfo, ErrorResponse
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
 
 _TYPES = {
     400: "invalid_request_error",

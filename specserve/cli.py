@@ -10,11 +10,11 @@ def build_parser() -> argparse.ArgumentParser:
     # Subcommand modules import heavy libraries (torch, transformers) only inside their handlers.
     from bench.serving import cli as bench_cli
     from engine.model import bundled
-    from server import serve_cmd
+    from server import command as serve_command
 
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve_cmd.add_parser(sub)
+    serve_command.add_parser(sub)
     bundled.add_parser(sub)
     bench_cli.add_parser(sub)
     return parser

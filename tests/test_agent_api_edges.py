@@ -16,7 +16,7 @@ import pytest
 from server_utils import FakeEngine, LiveServer
 
 from server.app import create_app
-from server.response_store import ResponseStore, StoredResponse, owner_of
+from server.responses.store import ResponseStore, StoredResponse, owner_of
 from server.settings import Settings
 
 
@@ -52,7 +52,7 @@ def test_store_evicts_the_oldest_beyond_its_size(tmp_path: Path) -> None:
 
 def test_store_forgets_after_retention(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr("server.response_store.time.time", lambda: clock[0])
+    monkeypatch.setattr("server.responses.store.time.time", lambda: clock[0])
     store = ResponseStore(":memory:", max_responses=10, retention_s=60)
     store.put("resp_old", "", stored(0))
     clock[0] += 30

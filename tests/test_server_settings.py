@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from engine.config import EngineConfig
-from server import serve_cmd
+from server import command as serve_cmd
 from server.settings import Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parent.parent

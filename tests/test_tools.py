@@ -17,7 +17,7 @@ from server_utils import real_server
 from tiny import make_tiny_model
 from transformers import AutoTokenizer
 
-from server.tool_parser import ToolCallParser, parse_message
+from server.openai.tool_parser import ToolCallParser, parse_message
 
 # Qwen2.5's chat template, as its tokenizer_config.json ships it (default system prompt shortened).
 QWEN_TEMPLATE = """{%- if tools %}

@@ -26,10 +26,10 @@ from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import Constraints
 from server.errors import APIError, bad_request, not_ready
 from server.metrics import Metrics
-from server.protocol import GrammarRequest, SamplingFields, now
-from server.protocol_out import SpecDecodeSummary, TokenOrigin, UsageInfo
+from server.openai.protocol import GrammarRequest, SamplingFields, now
+from server.openai.protocol_out import SpecDecodeSummary, TokenOrigin, UsageInfo
+from server.openai.tool_parser import tool_tags_as_tokens
 from server.settings import Settings
-from server.tool_parser import tool_tags_as_tokens
 
 if TYPE_CHECKING:
     from engine.core.async_engine import AsyncLLM

@@ -9,11 +9,11 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.protocol_responses import DeletedResponse, ResponseItemList, ResponsesRequest
+from server.openai.serving import Stream
 from server.request_body import json_body
-from server.response_store import owner_of
-from server.serving import Stream
-from server.serving_responses import OpenAIServingResponses
+from server.responses.protocol import DeletedResponse, ResponseItemList, ResponsesRequest
+from server.responses.serving import OpenAIServingResponses
+from server.responses.store import owner_of
 
 ResponsesBody = Annotated[ResponsesRequest, Depends(json_body(ResponsesRequest))]
 

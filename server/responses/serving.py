@@ -18,8 +18,12 @@ from starlette.requests import Request
 
 from server.errors import APIError, bad_request
 from server.metrics import Metrics
-from server.protocol import ChatCompletionRequest, now
-from server.protocol_responses import (
+from server.openai.chat import OpenAIServingChat, output_delta, whole_output
+from server.openai.protocol import ChatCompletionRequest, now
+from server.openai.serving import Choice, Job, Stream, as_api_error, total_spec, usage_of
+from server.request_body import validation_error
+from server.responses.events import Event, OutputBuilder
+from server.responses.protocol import (
     IncompleteDetails,
     ResponseError,
     ResponseItemList,
@@ -29,11 +33,7 @@ from server.protocol_responses import (
     item_id,
     to_chat_messages,
 )
-from server.request_body import validation_error
-from server.response_store import ResponseStore, StoredResponse
-from server.responses_events import Event, OutputBuilder
-from server.serving import Choice, Job, Stream, as_api_error, total_spec, usage_of
-from server.serving_chat import OpenAIServingChat, output_delta, whole_output
+from server.responses.store import ResponseStore, StoredResponse
 from server.settings import Settings
 
 if TYPE_CHECKING:

@@ -21,8 +21,8 @@ from pydantic import (
     model_validator,
 )
 
-from server.protocol import ChatCompletionRequest, _none, random_id
-from server.protocol_out import SpecDecodeSummary
+from server.openai.protocol import ChatCompletionRequest, _none, random_id
+from server.openai.protocol_out import SpecDecodeSummary
 from server.request_body import validate_each
 
 _STRICT = ConfigDict(strict=True, extra="ignore")

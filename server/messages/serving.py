@@ -16,18 +16,18 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from server.errors import bad_request
-from server.protocol import ChatCompletionRequest
-from server.protocol_messages import (
+from server.messages.protocol import (
     MessagesRequest,
     MessagesResponse,
     StopReason,
     Usage,
     message_id,
 )
+from server.openai.chat import OpenAIServingChat, output_delta, whole_output
+from server.openai.protocol import ChatCompletionRequest
+from server.openai.serving import Choice, Job, Stream, as_api_error, total_spec
+from server.openai.tool_parser import ParsedDelta
 from server.request_body import validation_error
-from server.serving import Choice, Job, Stream, as_api_error, total_spec
-from server.serving_chat import OpenAIServingChat, output_delta, whole_output
-from server.tool_parser import ParsedDelta
 
 Event = dict[str, Any]
 

@@ -10,10 +10,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.protocol_messages import CountTokensRequest, MessagesRequest
+from server.messages.protocol import CountTokensRequest, MessagesRequest
+from server.messages.serving import AnthropicServingMessages
+from server.openai.serving import Stream
 from server.request_body import json_body
-from server.serving import Stream
-from server.serving_messages import AnthropicServingMessages
 
 MessagesBody = Annotated[MessagesRequest, Depends(json_body(MessagesRequest))]
 CountBody = Annotated[CountTokensRequest, Depends(json_body(CountTokensRequest))]

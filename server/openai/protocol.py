@@ -23,7 +23,7 @@ from pydantic import (
 
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import MAX_BIAS, Constraints
-from server.tool_parser import tool_call_grammar
+from server.openai.tool_parser import tool_call_grammar
 
 NonNegInt = Annotated[int, Field(ge=0)]
 # vLLM's extra fields naming a grammar, and the kind engine.sample.structured compiles them as
@@ -49,20 +49,6 @@ def random_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-# ---------------------------------------------------------------------------- errors
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 # ---------------------------------------------------------------------------- requests

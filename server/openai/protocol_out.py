@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from server.protocol import ToolCall, _none, now
+from server.openai.protocol import ToolCall, _none, now
 
 # ---------------------------------------------------------------------------- responses
 

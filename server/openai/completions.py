@@ -8,9 +8,9 @@ from starlette.requests import Request
 
 from engine.outputs import RequestOutput, TokenLogprob
 from server.errors import bad_request
-from server.protocol import CompletionRequest, random_id
-from server.protocol_out import CompletionChoice, CompletionLogprobs, CompletionResponse
-from server.serving import (
+from server.openai.protocol import CompletionRequest, random_id
+from server.openai.protocol_out import CompletionChoice, CompletionLogprobs, CompletionResponse
+from server.openai.serving import (
     Choice,
     Job,
     OpenAIServing,

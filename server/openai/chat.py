@@ -10,8 +10,8 @@ from starlette.requests import Request
 
 from engine.outputs import RequestOutput, TokenLogprob
 from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, TokenizeRequest, ToolCall, random_id
-from server.protocol_out import (
+from server.openai.protocol import ChatCompletionRequest, TokenizeRequest, ToolCall, random_id
+from server.openai.protocol_out import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -24,7 +24,7 @@ from server.protocol_out import (
     DeltaToolCall,
     TopLogprob,
 )
-from server.serving import (
+from server.openai.serving import (
     Choice,
     Job,
     OpenAIServing,
@@ -35,7 +35,7 @@ from server.serving import (
     total_spec,
     usage_of,
 )
-from server.tool_parser import ParsedDelta, ToolCallParser, parse_message
+from server.openai.tool_parser import ParsedDelta, ToolCallParser, parse_message
 
 
 class OpenAIServingChat(OpenAIServing):

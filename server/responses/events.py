@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from server.protocol_responses import OutputFunctionCall, OutputItem, OutputMessage, OutputText
-from server.tool_parser import CallDelta, ParsedDelta
+from server.openai.tool_parser import CallDelta, ParsedDelta
+from server.responses.protocol import OutputFunctionCall, OutputItem, OutputMessage, OutputText
 
 Event = dict[str, Any]
 ItemStatus = Literal["completed", "incomplete"]

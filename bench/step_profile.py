@@ -35,7 +35,8 @@ from torch.autograd.profiler_util import FunctionEvent
 from bench.engine_args import cpu_flags, decoding
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
-from engine.model import attention, decoder, native_attention
+from engine.kernels import attention_ops
+from engine.model import attention, decoder
 from engine.model.attention import AttentionMetadata, RequestSpan
 from engine.model.quant.native import GgufKernel
 from engine.sample.sampling_params import SamplingParams
@@ -112,7 +113,7 @@ def step_report(args: argparse.Namespace) -> None:
     for _ in range(2):  # warm
         engine.step()
     wall, kinds = profile_steps(engine, args.steps)
-    native = "native kernel" if native_attention.available() else "gathered path"
+    native = "native kernel" if attention_ops.available() else "gathered path"
     print(f"CPU: {cpu_flags()}; {args.threads} threads")
     print(f"{args.model} {args.quantization}, batch {args.batch}, context {args.context}: "
           f"{wall:.1f} ms a decode step (profiled; attention: {native})")  # fmt: skip
@@ -143,7 +144,7 @@ def time_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def attention_report(args: argparse.Namespace) -> None:
-    if not native_attention.available():
+    if not attention_ops.available():
         raise SystemExit("the native kernels are not built (python -m engine.kernels.build)")
     print(f"CPU: {cpu_flags()}; {args.threads} threads")
     print("one layer, batch 1 decode, 12 heads / 2 KV heads x 128, bfloat16, blocks of 16")
@@ -187,7 +188,7 @@ def cold_step_ms(
             other.sum()
             started = time.perf_counter()
             for q, k_cache, v_cache in cases:
-                native_attention.paged_attention(
+                attention_ops.paged_attention(
                     q, k_cache, v_cache, group.block_tables, group.start_pos, group.query_lens,
                     128**-0.5, isa=isa,
                 )  # fmt: skip
@@ -197,7 +198,7 @@ def cold_step_ms(
 
 def isa_report(args: argparse.Namespace) -> None:
     """The cold step per kernel variant, interleaved in one process, ratios to the first."""
-    if not native_attention.available():
+    if not attention_ops.available():
         raise SystemExit("the native kernels are not built (python -m engine.kernels.build)")
     isas = tuple(args.isas.split(","))
     print(f"CPU: {cpu_flags()}; {args.threads} threads")
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--isas",
         help="with --attention-only: compare these kernel variants, e.g. "
-        "avx512bf16,amx (names as native_attention.paged_attention's isa)",
+        "avx512bf16,amx (names as attention_ops.paged_attention's isa)",
     )
     ap.add_argument("--verify-rows", type=int, default=1, help="with --isas: query tokens")
     ap.add_argument(

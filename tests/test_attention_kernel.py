@@ -11,20 +11,21 @@ import torch
 from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
 
 from engine.config import SpeculativeConfig
-from engine.model import attention, native_attention
+from engine.kernels import attention_ops
+from engine.model import attention
 from engine.model.attention import AttentionMetadata, RequestSpan
 
 pytestmark = pytest.mark.skipif(
-    not native_attention.loaded(), reason="native kernels not built on this host"
+    not attention_ops.loaded(), reason="native kernels not built on this host"
 )
 engine_path = pytest.mark.skipif(
-    not native_attention.available(), reason="the engine uses the kernel only with AVX512"
+    not attention_ops.available(), reason="the engine uses the kernel only with AVX512"
 )
-_VARIANTS = (("avx2", "avx2"), ("avx512", "avx512f"))  # (isa argument, CPU flag)
+_VARIANTS = (("avx2", "avx2"), ("avx512", "avx512"))  # (isa argument, CPU tier)
 ISAS = ["scalar"] + [
     isa
     for isa, flag in _VARIANTS
-    if native_attention.loaded() and torch.ops.specserve_kernels.cpu_supports(flag)
+    if attention_ops.loaded() and torch.ops.specserve_kernels.cpu_supports(flag)
 ]
 
 
@@ -33,7 +34,7 @@ ISAS = ["scalar"] + [
 BF16_ISAS = ISAS + [
     isa
     for isa, flag in (("avx512bf16", "avx512bf16"), ("amx", "amxbf16"))
-    if native_attention.loaded() and torch.ops.specserve_kernels.cpu_supports(flag)
+    if attention_ops.loaded() and torch.ops.specserve_kernels.cpu_supports(flag)
 ]
 
 
@@ -72,7 +73,7 @@ def _both(q, k_cache, v_cache, spans, block_size, **kernel_kw):  # type: ignore[
     ref = attention._short_attention(qg, keys, values, group.mask, scale)
     ref = ref.reshape(-1, q.shape[1], q.shape[2])
     ref = ref if group.query_index is None else ref[group.query_index]
-    out = native_attention.paged_attention(
+    out = attention_ops.paged_attention(
         q, k_cache, v_cache, group.block_tables, group.start_pos, group.query_lens, scale,
         **kernel_kw,
     )  # fmt: skip
@@ -148,7 +149,7 @@ def _kernel(q, k_cache, v_cache, spans, block_size, isa):  # type: ignore[no-unt
     tables = torch.tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in spans])
     starts = torch.tensor([s.start_pos for s in spans])
     lens = torch.tensor([s.num_tokens for s in spans])
-    return native_attention.paged_attention(
+    return attention_ops.paged_attention(
         q, k_cache, v_cache, tables, starts, lens, q.shape[-1] ** -0.5, isa=isa, split_tokens=32
     )
 
@@ -207,11 +208,11 @@ def test_kernel_rejects_what_it_cannot_read() -> None:
     tables = torch.tensor([[0, 1]])
     one = torch.tensor([1])
     with pytest.raises(RuntimeError, match="bad request"):  # context beyond its block table
-        native_attention.paged_attention(
+        attention_ops.paged_attention(
             torch.randn(1, 2, 16), k_cache, v_cache, tables, torch.tensor([8]), one, 1.0
         )
     with pytest.raises(RuntimeError, match="out of range"):
-        native_attention.paged_attention(
+        attention_ops.paged_attention(
             torch.randn(1, 2, 16),
             k_cache,
             v_cache,
@@ -229,13 +230,13 @@ def test_kernel_rejects_what_it_cannot_read() -> None:
 def native_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Counts the tokens that went through the native kernel."""
     calls: list[int] = []
-    kernel = native_attention.paged_attention
+    kernel = attention_ops.paged_attention
 
     def counted(q: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
         calls.append(q.shape[0])
         return kernel(q, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(native_attention, "paged_attention", counted)
+    monkeypatch.setattr(attention_ops, "paged_attention", counted)
     yield calls
 
 
@@ -292,7 +293,7 @@ def test_switched_off_the_engine_keeps_the_gathered_path(
     tiny_model_dir: Path, native_calls: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SPECSERVE_NATIVE_ATTENTION", "0")
-    native_attention.available.cache_clear()
+    attention_ops.available.cache_clear()
     try:
         vocab = hf_model(tiny_model_dir).config.vocab_size
         prompts = random_prompts(3, (2, 30), vocab, seed=24)
@@ -301,7 +302,7 @@ def test_switched_off_the_engine_keeps_the_gathered_path(
         assert not native_calls
     finally:
         monkeypatch.undo()
-        native_attention.available.cache_clear()
+        attention_ops.available.cache_clear()
 
 
 @engine_path

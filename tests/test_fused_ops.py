@@ -15,7 +15,7 @@ from engine.model.loader import load_model
 from engine.model.runner import ForwardInput, ModelRunner
 
 pytestmark = pytest.mark.skipif(not fused_ops.loaded(), reason="native kernels not built")
-_VARIANTS = (("avx2", "avx2"), ("avx512", "avx512bw"))  # (isa argument, CPU flag)
+_VARIANTS = (("avx2", "avx2"), ("avx512", "avx512"))  # (isa argument, CPU tier)
 ISAS = ["scalar"] + [
     isa
     for isa, flag in _VARIANTS

@@ -31,13 +31,19 @@ def test_library_builds_and_registers_its_ops():
 def test_isa_is_read_from_the_running_cpu():
     assert build.load()
     flags = cpuinfo_flags()
-    for feature, flag in [
-        ("avx2", "avx2"),
-        ("avx512vnni", "avx512_vnni"),
-        ("avx512bf16", "avx512_bf16"),
-    ]:
-        assert torch.ops.specserve_kernels.cpu_supports(feature) == (flag in flags), feature
-    assert not torch.ops.specserve_kernels.cpu_supports("no-such-feature")
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    tiers = {  # one vocabulary of tiers (csrc/isa.h), each a set of /proc/cpuinfo flags
+        "avx2": avx2,
+        "avxvnni": avx2 and "avx_vnni" in flags,
+        "avx512": avx512,
+        "avx512vnni": avx512 and "avx512_vnni" in flags,
+        "avx512bf16": avx512 and "avx512_bf16" in flags,
+    }
+    for tier, expected in tiers.items():
+        assert torch.ops.specserve_kernels.cpu_supports(tier) == expected, tier
+    for name in ("no-such-feature", "avx512f"):  # a raw feature bit is no tier
+        assert not torch.ops.specserve_kernels.cpu_supports(name)
 
 
 def test_switched_off_means_not_loaded():

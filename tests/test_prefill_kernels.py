@@ -34,7 +34,7 @@ def operands(form: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, int]:
 
 
 def isa_or_skip(isa: str) -> str:
-    if isa == "avx512" and not torch.ops.specserve_kernels.cpu_supports("avx512bw"):
+    if isa == "avx512" and not torch.ops.specserve_kernels.cpu_supports("avx512"):
         pytest.skip("this CPU lacks avx512")
     if isa == "avx2" and not torch.ops.specserve_kernels.cpu_supports("avx2"):
         pytest.skip("this CPU lacks avx2")

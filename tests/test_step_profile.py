@@ -27,7 +27,7 @@ def test_a_decode_step_splits_into_kinds_that_add_up(tiny_model_dir: Path) -> No
 
 
 def test_the_cold_attention_step_is_timed_per_kernel_variant() -> None:
-    if not step_profile.native_attention.available():
+    if not step_profile.attention_ops.available():
         pytest.skip("native kernels not built on this host")
     ms = step_profile.cold_step_ms(40, repeats=2, isas=("auto", "scalar"), rows=3, layers=2)
     assert set(ms) == {"auto", "scalar"} and all(v > 0 for v in ms.values())

@@ -17,7 +17,7 @@ float32, 5-10x faster there than bf16 (16 decodes at 300 tokens of context: a 1.
 1131 -> 630 ms). The pool is head-major, `[kv_heads, num_blocks, block_size, head_dim]` per
 layer for K and for V, so one gather gives contiguous `[kv_heads, batch, len, head_dim]` keys.
 
-On the CPU, short groups skip the gather: the native kernel (engine.model.native_attention)
+On the CPU, short groups skip the gather: the native kernel (engine.kernels.attention_ops)
 reads K and V in place through the block tables, when the kernel library is loaded.
 
 Sliding-window layers (Gemma 3's local layers) see the same forward through `meta.sliding`:
@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from engine.model import native_attention
+from engine.kernels import attention_ops
 
 # Queries up to this many tokens (decodes, speculative verify queries) are batched together.
 SHORT_QUERY_MAX = 16
@@ -68,7 +68,7 @@ class AttentionGroup:
     # Short groups: an additive float32 bias [batch, 1, max_query_len, kv_len].
     mask: torch.Tensor | None
     query_index: torch.Tensor | None  # [group_tokens] int64 rows of the padded query; None = dense
-    # Short groups, for the native kernel (engine.model.native_attention): [batch] int64 each.
+    # Short groups, for the native kernel (engine.kernels.attention_ops): [batch] int64 each.
     start_pos: torch.Tensor | None = None  # tokens cached before this pass
     query_lens: torch.Tensor | None = None  # new tokens
     # A prompt chunk with nothing cached before it, on a GPU: plain causal attention over its own
@@ -309,7 +309,7 @@ def _group_attention(
     group: AttentionGroup,
     scale: float,
 ) -> torch.Tensor:  # [group_tokens, num_heads * head_dim]
-    if group.start_pos is not None and native_attention.usable(q):
+    if group.start_pos is not None and attention_ops.usable(q):
         return _native_attention(q, k_cache, v_cache, group, scale)
     qg = _pad_queries(q[group.token_start : group.token_end], group)  # [B, Q, heads, dim]
     keys = _context(k_cache, group)  # [kv_heads, B, L, dim]
@@ -334,7 +334,7 @@ def _native_attention(
 ) -> torch.Tensor:  # [group_tokens, num_heads * head_dim]
     """Short queries on the CPU: the native kernel reads the pool in place (no gathered copy)."""
     assert group.start_pos is not None and group.query_lens is not None
-    out = native_attention.paged_attention(
+    out = attention_ops.paged_attention(
         q[group.token_start : group.token_end], k_cache, v_cache, group.block_tables,
         group.start_pos, group.query_lens, scale,
     )  # fmt: skip

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kernels import fused_ops
-from engine.model import native_attention
+from engine.kernels import attention_ops, fused_ops
 from engine.model.attention import AttentionMetadata
 from engine.model.quant.linear import QuantLinear
 from engine.model.quant.native import GgufKernel, native_chunk_limit
@@ -80,7 +79,7 @@ def build(model: DecoderModel) -> NativeStack | None:
         torch.bfloat16,
     ):
         return None
-    if s.head_dim not in native_attention.SIMD_HEAD_DIMS or not native_attention.available():
+    if s.head_dim not in attention_ops.SIMD_HEAD_DIMS or not attention_ops.available():
         return None
     if not all(_gguf_only(linear) for layer in _layers(model) for linear in _linears(layer)):
         return None

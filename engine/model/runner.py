@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.kernels import attention_ops
 from engine.kernels.memory import empty_huge
-from engine.model import decoder_stack, native_attention
+from engine.model import decoder_stack
 from engine.model.attention import AttentionMetadata, RequestSpan
 from engine.model.decode_graph import DecodeGraph
 from engine.model.decoder import DecoderModel, KVCache
@@ -68,7 +69,7 @@ class ModelRunner:
         self.decode_graph = DecodeGraph(self.model) if compile_decode else None
         self.model.compiled_layers = self.decode_graph
         if self.device.type == "cpu":
-            native_attention.available()  # build or load the kernels now, not in the first step
+            attention_ops.available()  # build or load the kernels now, not in the first step
         log.info(
             "%s runs as %s (%s): %.2f GiB of weights",
             loaded.name,

@@ -809,30 +809,6 @@ void attend(const Range<T>& a, RowState st) {
 template <typename T>
 using RangeFn = void (*)(const Range<T>&, RowState);
 
-bool has_avx512() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return yes;
-}
-
-bool has_avx2() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return yes;
-}
-
-bool has_avx512bf16() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return has_avx512() && __builtin_cpu_supports("avx512bf16") != 0;
-  }();
-  return yes;
-}
-
 enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 
 // The AVX2 kernels by head_dim / 8; null where none is compiled.
@@ -900,10 +876,10 @@ RangeFn<T> kernel_for(Isa isa, int64_t dim) {
 }
 
 Isa pick(const std::string& isa, int64_t dim, bool bf16, int64_t block_size) {
-  const bool avx512_ok = has_avx512() && avx512_for<float>(dim) != nullptr;
-  const bool avx2_ok = has_avx2() && avx2_for<float>(dim) != nullptr;
-  const bool bf16_ok = bf16 && has_avx512bf16() && bf16_for(dim) != nullptr;
-  const bool amx_ok = bf16_ok && block_size == 16 && amx_for(dim) != nullptr && amx_bf16_ready();
+  const bool avx512_ok = cpu::avx512() && avx512_for<float>(dim) != nullptr;
+  const bool avx2_ok = cpu::avx2() && avx2_for<float>(dim) != nullptr;
+  const bool bf16_ok = bf16 && cpu::avx512bf16() && bf16_for(dim) != nullptr;
+  const bool amx_ok = bf16_ok && block_size == 16 && amx_for(dim) != nullptr && cpu::amx_bf16();
   if (isa == "scalar") return Isa::kScalar;
   if (isa == "amx") {
     TORCH_CHECK(amx_ok, "paged_attention: amx needs a bfloat16 cache, blocks of 16, head_dim 64, "

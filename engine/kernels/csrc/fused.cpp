@@ -42,6 +42,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "isa.h"
 #include "ops.h"
 
 #define SPECSERVE_INLINE __attribute__((always_inline)) inline
@@ -303,11 +304,7 @@ SPECSERVE_VARIANT(avx512, __attribute__((target("avx512f,avx512bw"))))
 enum class Isa { kScalar, kAvx2, kAvx512 };
 
 Isa pick(const std::string& name) {
-  static const bool avx512 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  }();
-  static const bool avx2 = __builtin_cpu_supports("avx2");
+  const bool avx512 = cpu::avx512(), avx2 = cpu::avx2();
   if (name == "scalar") return Isa::kScalar;
   if (name == "avx2") {
     TORCH_CHECK(avx2, "fused ops: this CPU has no AVX2");

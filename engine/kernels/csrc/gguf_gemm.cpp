@@ -29,6 +29,7 @@
 #include <tuple>
 #include <vector>
 
+#include "isa.h"
 #include "gguf_blocks.h"
 #include "memory.h"
 #include "ops.h"
@@ -38,26 +39,13 @@ namespace {
 
 constexpr int64_t kTileColumns = 16;
 
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-
-bool has_avxvnni() { return has_avx2() && __builtin_cpu_supports("avxvnni"); }
-
-bool has_avx512vnni() {
-  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-}
-
 // Best first; a variant's functions run only once the CPU has said it has the instructions.
 const std::vector<Variant>& variants() {
   static const std::vector<Variant> all = [] {
     std::vector<Variant> out;
-    if (has_avx512vnni()) out.push_back(avx512_variant());
-    if (has_avxvnni()) out.push_back(avxvnni_variant());
-    if (has_avx2()) out.push_back(avx2_variant());
+    if (cpu::avx512vnni()) out.push_back(avx512_variant());
+    if (cpu::avxvnni()) out.push_back(avxvnni_variant());
+    if (cpu::avx2()) out.push_back(avx2_variant());
     out.push_back(scalar_variant());
     return out;
   }();

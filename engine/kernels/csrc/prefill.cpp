@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "isa.h"
 #include "gguf_blocks.h"
 #include "prefill.h"
 
@@ -36,14 +37,6 @@ namespace {
 using RowFn = void (*)(int qtype, const uint8_t* row, int64_t blocks, int64_t k, float* scratch,
                        uint16_t* out, bool native_bf16);
 
-bool has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
-bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
 void dequantize_row_bf16_portable(int qtype, const uint8_t* row, int64_t blocks, int64_t k, float* scratch,
                                   uint16_t* out, bool) {
@@ -58,21 +51,17 @@ void dequantize_row_bf16_avx2(int qtype, const uint8_t* row, int64_t blocks, int
   for (int64_t i = 0; i < k; ++i) out[i] = float_to_bf16(scratch[i]);
 }
 
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
 
 RowFn row_fn(const std::string& isa) {
   if (isa == "scalar") return dequantize_row_bf16_portable;
   TORCH_CHECK(isa.empty() || isa == "avx512" || isa == "avx2", "prefill: unknown isa '", isa, "'");
   if (isa == "avx2") {
-    TORCH_CHECK(has_avx2(), "prefill: this CPU does not run the avx2 variant");
+    TORCH_CHECK(cpu::avx2(), "prefill: this CPU does not run the avx2 variant");
     return dequantize_row_bf16_avx2;
   }
-  if (has_avx512()) return dequantize_row_bf16_avx512;
+  if (cpu::avx512()) return dequantize_row_bf16_avx512;
   TORCH_CHECK(isa.empty(), "prefill: this CPU does not run the avx512 variant");
-  return has_avx2() ? dequantize_row_bf16_avx2 : dequantize_row_bf16_portable;
+  return cpu::avx2() ? dequantize_row_bf16_avx2 : dequantize_row_bf16_portable;
 }
 
 struct Weights {
@@ -99,7 +88,7 @@ Weights checked_weights(const at::Tensor& blocks, int64_t qtype) {
 const gguf::Variant& group_variant(const std::string& isa) {
   static const gguf::Variant scalar = gguf::scalar_variant();
   static const gguf::Variant avx2 = gguf::avx2_variant();
-  return isa != "scalar" && has_avx2() ? avx2 : scalar;
+  return isa != "scalar" && cpu::avx2() ? avx2 : scalar;
 }
 
 // Weight rows [begin, end) of a *_R16 tensor to bf16 rows of `out`; begin is a multiple of 16.
@@ -171,7 +160,7 @@ class RowBlocks {
 at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t qtype, const std::string& isa) {
   const Weights w = checked_weights(blocks, qtype);
   const RowFn fn = row_fn(isa);
-  const bool native_bf16 = has_avx512bf16();
+  const bool native_bf16 = cpu::avx512bf16();
   at::Tensor out = at::empty({w.n, w.k}, blocks.options().dtype(at::kBFloat16));
   uint16_t* dst = bf16_data(out);
   // by groups of 16 rows, so that a 16-row layout's groups are never split between threads
@@ -194,7 +183,7 @@ at::Tensor gguf_mm_bf16(const at::Tensor& x_in, const at::Tensor& blocks, int64_
   TORCH_CHECK(!gguf::is_rows16(w.qtype) || panel_rows % gguf::kGroupRows == 0,
               "gguf_mm_bf16: panels of a 16-row layout are whole groups (panel_rows a multiple of 16)");
   const RowFn fn = row_fn(isa);
-  const bool native_bf16 = has_avx512bf16();
+  const bool native_bf16 = cpu::avx512bf16();
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), w.n}, x.options());  // [M, N]
   if (x.size(0) == 0 || w.n == 0) return out;

@@ -44,7 +44,7 @@ def available() -> bool:
     """The engine uses the kernel: enabled, loaded, and the CPU runs a SIMD variant of it."""
     if not (enabled() and loaded()):
         return False
-    return any(torch.ops.specserve_kernels.cpu_supports(isa) for isa in ("avx512f", "avx2"))
+    return any(torch.ops.specserve_kernels.cpu_supports(isa) for isa in ("avx512", "avx2"))
 
 
 def usable(q: torch.Tensor) -> bool:
@@ -69,7 +69,8 @@ def paged_attention(
     isa: str = "auto",  # "scalar", "avx2", "avx512" or "avx512bf16" to pin a variant (tests)
     split_tokens: int = 256,  # a request's context is split into ranges of this many tokens
 ) -> torch.Tensor:  # [tokens, heads, head_dim]
-    return torch.ops.specserve_kernels.paged_attention(
+    out: torch.Tensor = torch.ops.specserve_kernels.paged_attention(
         q.contiguous(), k_cache, v_cache, block_tables, start_pos, query_lens, scale, isa,
         split_tokens,
     )  # fmt: skip
+    return out

@@ -54,3 +54,59 @@ def write_random_gguf(path: Path, src: Path, kinds: list[T]) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_gemma3_gguf(path: Path, src: Path, kind: T) -> None:
+    """The tiny Gemma 3 at `src` laid out as llama.cpp's converter writes it: its metadata keys
+    (the global layers' rope theta and linear scaling only; no local rope, layer types or
+    attention scale, which llama.cpp derives), norms stored as 1 + w in F32, every matrix in
+    `kind` (F32, or quantized by gguf's own reference), the embedding tied (no output.weight)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((src / "config.json").read_text())
+    rope = config["rope_parameters"]["full_attention"]
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    _gguf_hparams(writer, config | {"rope_parameters": rope})
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_sliding_window(config["sliding_window"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    _gguf_tokenizer(writer, src)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config["num_hidden_layers"])
+    for name, tensor in sorted(load_file(str(src / "model.safetensors")).items()):
+        base, suffix = name.rsplit(".", 1)
+        array = tensor.float().numpy()
+        target = f"{names.get_name(base)}.{suffix}"
+        if name.endswith("norm.weight"):
+            array = array + np.float32(1.0)  # the converter's norm_shift
+        if array.ndim == 2 and kind != T.F32:
+            writer.add_tensor(target, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(target, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gemma3_reference(path: Path, src: Path, out: Path, bf16: bool = False) -> Path:
+    """transformers' Gemma 3 of `src`'s config holding the GGUF at `path`'s weights as gguf's own
+    reader dequantizes them (norms less the converter's 1; rounded to bfloat16 with `bf16`, as
+    a conversion to bf16 safetensors stores them), saved at `out` in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, model.config.num_hidden_layers)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            base, suffix = name.rsplit(".", 1)
+            t = tensors[f"{names.get_name(base)}.{suffix}"]
+            w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+            w = w.float().reshape(param.shape)
+            w = w - 1.0 if name.endswith("norm.weight") else w
+            param.copy_(w.to(torch.bfloat16).float() if bf16 else w)
+    model.save_pretrained(str(out))
+    return out

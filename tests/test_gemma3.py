@@ -308,31 +308,3 @@ def test_cuda_matches_transformers(loaded: LoadedModel, gemma_dir: Path) -> None
     """On a GPU a fresh prompt's full layers take SDPA's is_causal; its local layers, a mask."""
     ids = _ids(36, seed=5)
     _assert_close(_runner_logits(loaded, ids, "cuda", "float32"), _reference(gemma_dir, ids))
-
-
-# ---- GGUF --------------------------------------------------------------------------------------
-
-
-def test_gemma3_gguf_is_refused_naming_what_is_missing(
-    tmp_path: Path, gemma_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """transformers reads Gemma 3's GGUF config without its rope scaling: refused, not inexact."""
-    import json
-
-    import gguf
-    from tiny import _gguf_hparams, _gguf_tokenizer
-
-    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "gemma3.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    config = json.loads((gemma_dir / "config.json").read_text())
-    config["rope_parameters"] = config["rope_parameters"]["full_attention"]
-    _gguf_hparams(writer, config)
-    _gguf_tokenizer(writer, gemma_dir)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    for quantization in ("none", "gguf"):
-        with pytest.raises(ValueError, match=r"Gemma3ForCausalLM from a GGUF file.*rope scaling"):
-            load_model(str(path), quantization=quantization)  # type: ignore[arg-type]

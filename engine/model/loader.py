@@ -29,18 +29,10 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from engine.config import Quantization
 from engine.model.decoder import WeightValue
 from engine.model.families import ARCHITECTURE_OF_MODEL_TYPE, check_supported
+from engine.model.gguf_config import gguf_config
 from engine.model.quant.for_device import quantization_for_weights
 
 _CONVERTED_DONE = "specserve-converted.json"
-
-# Architectures served from safetensors but not from GGUF, and why
-_GGUF_REFUSED = {
-    "Gemma3ForCausalLM": (
-        "transformers' GGUF config reader drops Gemma 3's rope scaling (rope.scaling.*) and "
-        "attention scale (query_pre_attn_scalar differs from head_dim on the 27B), so the model "
-        "would run inexactly; load its safetensors checkpoint instead"
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -164,7 +156,7 @@ def converted_gguf(path: Path) -> Path:
     out = cache_root() / "converted" / _gguf_key(path)
     if (out / _CONVERTED_DONE).exists():
         return out
-    _check_gguf(AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name))
+    _checked_gguf_config(path)
     with FileLock(f"{out}.lock"):  # one process at a time (tests and servers may race)
         if not (out / _CONVERTED_DONE).exists():
             _convert_into(path, out)
@@ -186,20 +178,19 @@ def gguf_metadata(path: Path) -> Path:
 
 
 def _save_config_and_tokenizer(path: Path, out: Path) -> None:
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    _check_gguf(config)
-    config.architectures = [architecture_of(config)]
-    config.save_pretrained(str(out))
+    _checked_gguf_config(path).save_pretrained(str(out))
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
     (out / _CONVERTED_DONE).write_text(json.dumps({"source": str(path.resolve())}) + "\n")
 
 
-def _check_gguf(config: PretrainedConfig) -> None:
-    architecture = architecture_of(config)
-    check_supported(architecture)
-    if architecture in _GGUF_REFUSED:
-        raise ValueError(f"{architecture} from a GGUF file: {_GGUF_REFUSED[architecture]}")
+def _checked_gguf_config(path: Path) -> PretrainedConfig:
+    """The file's config (engine.model.gguf_config), naming its architecture; refused unless
+    the decoder runs it."""
+    config = gguf_config(path)
+    config.architectures = [architecture_of(config)]
+    check_supported(config.architectures[0])
+    return config
 
 
 def _prune_stale(path: Path, keep: Path) -> None:
@@ -244,8 +235,7 @@ def _convert_gguf(path: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    config.architectures = [architecture_of(config)]
+    config = _checked_gguf_config(path)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)  # only for the tensor name map
     parsed = load_gguf_checkpoint(

@@ -1,4 +1,4 @@
-"""A minimal GGUF reader: the architecture and the tensors, skipping the rest of the metadata.
+"""A minimal GGUF reader: the metadata's scalars and short arrays, and the tensors.
 
 gguf.GGUFReader parses every metadata item into numpy views (the 151,936-token vocabulary and
 merges of a Qwen file take it ~25 s); the weights need only the tensor table, so this reads the
@@ -30,6 +30,7 @@ _SCALARS = {
     12: "d",
 }
 _STRING, _ARRAY = 8, 9
+_ARRAY_KEPT = 1024  # longer arrays (a vocabulary, its merges) are skipped: nothing here reads them
 
 
 @dataclass(frozen=True)
@@ -59,27 +60,44 @@ class _Cursor:
             return self.string()
         if kind == _ARRAY:
             item, count = int(self.scalar("I")), int(self.scalar("Q"))
-            if item in _SCALARS:  # skip the items; nothing here needs them
+            if item in _SCALARS and count > _ARRAY_KEPT:
                 self.pos += struct.calcsize(_SCALARS[item]) * count
                 return None
-            for _ in range(count):
-                self.value(item)
-            return None
+            items = [self.value(item) for _ in range(count)]
+            return items if count <= _ARRAY_KEPT else None
         return self.scalar(_SCALARS[kind])
 
 
-def read_gguf(path: Path) -> tuple[str, list[GgufTensorInfo]]:
-    """(general.architecture, the tensors in file order, their data memory-mapped)."""
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(mapped.data)
+def _metadata(cur: _Cursor) -> tuple[int, dict[str, object]]:
+    """(tensor count, metadata) from the start of the file; the cursor left past them."""
     if cur.scalar("I") != 0x46554747:  # b"GGUF"
-        raise ValueError(f"{path}: not a GGUF file")
+        raise ValueError("not a GGUF file")
     cur.scalar("I")  # version
     num_tensors, num_kv = int(cur.scalar("Q")), int(cur.scalar("Q"))
     meta: dict[str, object] = {}
     for _ in range(num_kv):
         key = cur.string()
         meta[key] = cur.value(int(cur.scalar("I")))
+    return num_tensors, meta
+
+
+def read_gguf_metadata(path: Path) -> dict[str, object]:
+    """Every metadata key: scalars, strings and arrays of up to 1,024 items (longer ones None)."""
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        return _metadata(_Cursor(mapped.data))[1]
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
+
+
+def read_gguf(path: Path) -> tuple[str, list[GgufTensorInfo]]:
+    """(general.architecture, the tensors in file order, their data memory-mapped)."""
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(mapped.data)
+    try:
+        num_tensors, meta = _metadata(cur)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
     infos = []
     for _ in range(num_tensors):
         name = cur.string()

@@ -4,7 +4,7 @@ Q4_K becomes an `Int4Weight` of group size 32 without a float round trip: a Q4_K
 holds 8 sub-blocks of 32 values, w = d * sc * q - dmin * m, which is (q - 8) * scale + zero
 with scale = d * sc and zero = 8 * d * sc - dmin * m. Other quantized types (Q5_0, Q5_K, Q6_K,
 Q8_0, ...) are dequantized by `gguf` and rounded to int8 per output row. Float tensors (norms,
-biases) come back as float32 tensors. With `blocks` (`quantization: gguf`), every matrix whose
+biases) come back as float32 tensors, Gemma's norms less the 1 llama.cpp's converter added. With `blocks` (`quantization: gguf`), every matrix whose
 format the native kernels multiply comes back as the file's own bytes (`GgufBlocks`).
 """
 
@@ -42,8 +42,16 @@ _HF_SUFFIXES = (
     "input_layernorm",
     "post_attention_layernorm",
 )
+# Gemma's norms after each sublayer: named only for it (gguf maps pre_feedforward_layernorm to
+# ffn_norm, which is post_attention_layernorm in the other families)
+_SANDWICH_SUFFIXES = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+_SANDWICH_ARCHS = ("gemma3",)
 # GGUF architectures whose q/k rows llama.cpp's converter permuted (transformers undoes it).
 _PERMUTED_ARCHS = ("llama",)
+# GGUF architectures whose norm weights llama.cpp's converter stored as 1 + w (Gemma's norms
+# scale by 1 + w): w is that minus 1 in float32, and 1 + w gives the file's value back exactly
+# wherever it is at least 1/2 (Sterbenz), within half an ulp of it below that.
+_NORM_SHIFTED_ARCHS = ("gemma3",)
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _ROWS_AT_ONCE = 16384
@@ -95,6 +103,8 @@ def read_gguf_weights(
             value = _convert(tensor)
         if arch in _PERMUTED_ARCHS and base.endswith(("attn_q", "attn_k")):
             value = _unpermute(value, _permute_heads(base, config))
+        if arch in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
+            value = _unshifted(value, tensor.name)
         yield hf_name, value
 
 
@@ -108,14 +118,21 @@ def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
     """GGUF base name ("blk.0.attn_q") -> transformers base name, from gguf's own name map."""
     arch_of_name = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
     table = gguf.get_tensor_name_map(arch_of_name[arch], num_layers)
+    suffixes = _HF_SUFFIXES + (_SANDWICH_SUFFIXES if arch in _SANDWICH_ARCHS else ())
     hf = ["model.embed_tokens", "model.norm", "lm_head"]
-    hf += [f"model.layers.{i}.{s}" for i in range(num_layers) for s in _HF_SUFFIXES]
+    hf += [f"model.layers.{i}.{s}" for i in range(num_layers) for s in suffixes]
     out = {}
     for name in hf:
         gguf_name = table.get_name(name)
         if gguf_name is not None:
             out[gguf_name] = name
     return out
+
+
+def _unshifted(value: GgufTensor, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"norm weight {name!r} is quantized; norms are float in a GGUF")
+    return value.float() - 1.0
 
 
 def _native_format(tensor: GgufTensorInfo) -> bool:

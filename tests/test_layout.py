@@ -116,6 +116,20 @@ def test_files_stay_short(pkg: str) -> None:
     assert not long, f"over {MAX_LINES} lines: {long}"
 
 
+@pytest.mark.parametrize(
+    ("folder", "patterns"),
+    [("engine/kernels/csrc", ("*.cpp", "*.h")), ("tests", ("*.py",))],
+)
+def test_native_code_and_tests_stay_short_too(folder: str, patterns: tuple[str, ...]) -> None:
+    long = {
+        str(p.relative_to(ROOT)): n
+        for pattern in patterns
+        for p in (ROOT / folder).rglob(pattern)
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"over {MAX_LINES} lines: {long}"
+
+
 def test_every_package_says_what_it_owns() -> None:
     silent = [
         str(init.relative_to(ROOT))

@@ -22,7 +22,7 @@ from functools import cache
 import torch
 
 _DTYPES = (torch.float32, torch.bfloat16)
-# head_dims the SIMD kernels are compiled for (attention.cpp `avx512_for`, `avx2_for`); elsewhere,
+# head_dims the SIMD kernels are compiled for (`avx512_for`, `avx2_for`: csrc/attention_*); elsewhere,
 # and on a CPU without AVX2, only the scalar reference would run: the gathered path is faster.
 SIMD_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-SpecMethod = Literal["none", "draft", "ngram", "hybrid"]
-# The proposers each method runs: hybrid takes an n-gram match where there is one, else the draft.
+SpecMethod = Literal["none", "draft", "ngram", "hybrid", "eagle3"]
+# The proposers each method runs: hybrid takes an n-gram match where there is one, else the draft;
+# eagle3 an EAGLE-3 head (draft_model: its folder) reading the target's hidden states.
 PROPOSERS: dict[str, tuple[str, ...]] = {
     "none": (),
     "draft": ("draft",),
     "ngram": ("ngram",),
     "hybrid": ("ngram", "draft"),
+    "eagle3": ("eagle3",),
 }
 Dtype = Literal["float32", "bfloat16", "float16"]
 # auto: a GGUF's quantized tensors stay quantized (int4 for Q4_K, int8 for the others), float
@@ -50,11 +52,12 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:
             raise ValueError(
-                f"speculative method must be none, draft, ngram or hybrid, not {self.method!r}"
+                "speculative method must be none, draft, ngram, hybrid or eagle3, "
+                f"not {self.method!r}"
             )
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
-        if "draft" in self.proposers and not self.draft_model:
+        if {"draft", "eagle3"} & set(self.proposers) and not self.draft_model:
             raise ValueError(f"speculative method {self.method!r} needs a draft_model")
         if not 0.0 <= self.draft_p_min < 1.0:
             raise ValueError("draft_p_min must be in [0, 1)")
@@ -72,6 +75,13 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none" and self.num_speculative_tokens > 0
+
+    @property
+    def planned(self) -> bool:
+        """Drafts planned from measured costs (the planner). Not for eagle3 yet: the planner
+        prices the draft model's forwards and has no cost curve for the head, so an eagle3
+        request drafts its k every step."""
+        return self.enabled and self.adaptive and self.method != "eagle3"
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_size > 1 and self.speculative.method == "eagle3":
+            raise ValueError("eagle3 does not run with tensor parallelism yet")
         if self.tensor_parallel_size > 1 and self.speculative.draft_model == self.model:
             raise ValueError("with tensor parallelism the draft must be a different model")
         _check_quantization("quantization", self.quantization)

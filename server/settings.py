@@ -38,10 +38,11 @@ class Settings(BaseSettings):
         default=None, description="draft model for --speculative-method draft"
     )
     served_model_name: str | None = Field(default=None, description="model name clients use")
-    speculative_method: Literal["none", "draft", "ngram", "hybrid"] = Field(
+    speculative_method: Literal["none", "draft", "ngram", "hybrid", "eagle3"] = Field(
         default="none",
         description="speculation: none, draft (a small model), ngram (prompt lookup), "
-        "hybrid (an n-gram match where there is one, else the draft model)",
+        "hybrid (an n-gram match where there is one, else the draft model), "
+        "eagle3 (an EAGLE-3 head, draft_model its folder, reading the target's hidden states)",
     )
     num_speculative_tokens: int = Field(
         default=4, ge=0, le=64, description="k: draft tokens per step"

@@ -13,6 +13,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.kv_sizing import num_kv_blocks
 from engine.core.scheduler import Scheduler
 from engine.model import device as devices
+from engine.model.eagle3 import load_eagle3_head
 from engine.model.loader import check_same_vocab, load_model
 from engine.model.quant.for_device import quantization_for
 from engine.model.runner import ForwardInput, ModelRunner
@@ -33,6 +34,7 @@ from engine.sequence import ScheduledSeq, SeqResult, Sequence
 from engine.spec_decode.planner import SpecPlanner
 from engine.spec_decode.proposers import (
     DraftModelProposer,
+    Eagle3Proposer,
     HybridProposer,
     NgramProposer,
     NoProposer,
@@ -66,9 +68,7 @@ class LLMEngine:
         self.draft: ModelRunner | None = None
         spec = config.speculative
         self.costs = StepCosts()
-        self.planner = (
-            SpecPlanner(spec.proposers, self.costs) if spec.enabled and spec.adaptive else None
-        )
+        self.planner = SpecPlanner(spec.proposers, self.costs) if spec.planned else None
         self.proposer: Proposer = ForcedDraftProposer(self._build_proposer())
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
@@ -398,6 +398,8 @@ class LLMEngine:
         self._ngram = NgramProposer(spec) if "ngram" in spec.proposers else None
         if spec.method == "ngram":
             return self._ngram  # type: ignore[return-value]
+        if spec.method == "eagle3":
+            return self._eagle3_proposer()
         if spec.method not in ("draft", "hybrid"):
             return NoProposer()
         assert spec.draft_model is not None
@@ -415,6 +417,24 @@ class LLMEngine:
         )
         draft = DraftModelProposer(self.draft, spec.draft_p_min)
         return draft if self._ngram is None else HybridProposer(self._ngram, draft)
+
+    def _eagle3_proposer(self) -> Eagle3Proposer:
+        """The head reads the target's hidden states, which the target now keeps by position."""
+        path = self.config.speculative.draft_model
+        assert path is not None
+        log.info("loading EAGLE-3 head %s", path)
+        model = self.target.model
+        head = load_eagle3_head(
+            path,
+            model.embed_tokens,
+            model.shape.hidden_size,
+            model.shape.vocab_size,
+            self.max_model_len,
+            self.target.device,
+            self.target.dtype,
+        )
+        self.target.keep_aux_hidden(head.config.aux_layers(model.shape.num_layers))
+        return Eagle3Proposer(head, self.target)
 
     def _runners(self) -> list[ModelRunner]:
         return [self.target] if self.draft is None else [self.target, self.draft]

@@ -322,6 +322,11 @@ class DecoderModel(nn.Module):
         self.compiled_layers: Callable[..., torch.Tensor] | None = None
         # the layer stack in one native call for decode and verify forwards (decoder_stack)
         self.native_stack: LayerStack | None = None
+        # Layers whose input stream an EAGLE-3 head reads (j: the stream entering layer j; num_layers:
+        # the last one's output before the norm), the last forward's in aux_hidden [T, n * hidden]
+        # in layer order. Only the eager loop keeps them: no native stack or graph while asked for.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
         # token ids the head scores: the first head_rows, then head_extra (all of them by default)
         self.head_rows = shape.vocab_size
         self.head_extra: list[int] = []
@@ -366,6 +371,8 @@ class DecoderModel(nn.Module):
         if self.shape.layer_types:  # layers of two kinds: the eager loop picks each one's rope
             local = (self.local_rotary or self.rotary).tables(positions, x.dtype)
             return self.run_layers(x, rope, kv_caches, meta, local)
+        if self.aux_layers:
+            return self.run_layers(x, rope, kv_caches, meta)
         if self.native_stack is not None and self.native_stack.accepts(x, meta):
             return self.native_stack(x, rope, kv_caches, meta)
         run_layers = self.compiled_layers or self.run_layers
@@ -387,11 +394,19 @@ class DecoderModel(nn.Module):
         local_rope: Rope | None = None,  # the sliding layers' (None: theirs is `rope`)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        aux: list[torch.Tensor] = []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in self.aux_layers:
+                aux.append(x if residual is None else x.to(residual.dtype) + residual)
             layer_rope = local_rope if layer.sliding and local_rope is not None else rope
             x, residual = layer(x, residual, layer_rope, kv_cache, meta)
         dtype = x.dtype if residual is None else residual.dtype
-        return self.norm.add_forward(x, residual, dtype)[0]
+        out, stream = self.norm.add_forward(x, residual, dtype)
+        if len(self.layers) in self.aux_layers:
+            aux.append(stream.to(dtype))
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
         if self.lm_head is not None:

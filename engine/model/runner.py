@@ -78,6 +78,10 @@ class ModelRunner:
             self.weights.weight_bytes / (1 << 30),
         )
         self.kv_caches: list[KVCache] = []
+        # An EAGLE-3 head's features, the target's aux hidden states [num_slots, n * hidden], kept
+        # by position like K/V (slot = block id * block_size + offset): a rejected draft's row is
+        # overwritten later, a prefix-cached block's rows are the ones computed for its tokens.
+        self.aux_pool: torch.Tensor | None = None
         # (rows, start, stop) of each forward since the engine last took them; None: not timed.
         # Marks, not seconds: on CUDA they are events, read once per step (take_timings).
         self.timings: list[tuple[int, TimingMark, TimingMark]] | None = None
@@ -118,7 +122,25 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         s = self.model.shape
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * element
+        aux = len(self.model.aux_layers) * s.hidden_size  # an EAGLE-3 head's features, if kept
+        return (2 * s.num_layers * s.num_kv_heads * s.head_dim + aux) * self.block_size * element
+
+    def keep_aux_hidden(self, layers: tuple[int, ...]) -> None:
+        """Keep the stream entering these layers for every position computed (an EAGLE-3 head's
+        features; call before allocate_kv_cache). The one-call native stack is skipped from now on."""
+        if self.tp is not None:
+            raise ValueError("aux hidden states are not kept for a sharded model")
+        if not all(0 <= j <= self.model.shape.num_layers for j in layers):
+            raise ValueError(f"aux layers {layers} not in [0, {self.model.shape.num_layers}]")
+        self.model.aux_layers = tuple(sorted(set(layers)))
+
+    def aux_hidden(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """The kept aux hidden states of positions [start, end): [end - start, n * hidden]."""
+        assert self.aux_pool is not None, "keep_aux_hidden and allocate_kv_cache first"
+        positions = torch.arange(start, end)
+        blocks = torch.tensor(block_table, dtype=torch.int64)[positions // self.block_size]
+        slots = blocks * self.block_size + positions % self.block_size
+        return self.aux_pool[slots.to(self.device)]
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.tp is not None:
@@ -130,6 +152,9 @@ class ModelRunner:
         self.kv_caches = []
         for _ in range(s.num_layers):
             self.kv_caches.append((self._zeros(shape), self._zeros(shape)))
+        if self.model.aux_layers:
+            width = len(self.model.aux_layers) * s.hidden_size
+            self.aux_pool = self._zeros((num_blocks * self.block_size, width))
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -195,6 +220,9 @@ class ModelRunner:
                 self.kv_caches,
                 meta,
             )  # [num_tokens, hidden]
+            if self.aux_pool is not None and self.model.aux_hidden is not None:
+                self.aux_pool[meta.slot_mapping] = self.model.aux_hidden
+                self.model.aux_hidden = None
             if logit_rows.numel() != hidden.shape[0]:
                 hidden = hidden[logit_rows.to(self.device, non_blocking=True)]
             return self.model.compute_logits(hidden)

@@ -27,9 +27,10 @@ FLAGS = (
 
 
 def add_engine_args(
-    ap: argparse.ArgumentParser, quantization: str = "w8a8", kv_cache_gib: float = 2.0
+    ap: argparse.ArgumentParser, quantization: str = "auto", kv_cache_gib: float = 2.0
 ) -> None:
-    """The settings every in-process benchmark's engine takes (no speculation unless its own)."""
+    """The settings every in-process benchmark's engine takes (no speculation unless its own);
+    `auto` is the engine's own fastest path for the weights on this CPU, as the server's."""
     ap.add_argument("--model", default=BUNDLED_TARGET)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default=quantization)

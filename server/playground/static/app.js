@@ -193,7 +193,8 @@ function renderSpans(el, spans, fallback) {
   const frag = document.createDocumentFragment();
   for (const span of spans) {
     const s = document.createElement("span");
-    s.className = `o-${ORIGINS.includes(span.origin) ? span.origin : "target"}`;
+    // a proposer the page has no colour for (an EAGLE head, say) shows as a draft, never as the target's
+    s.className = `o-${ORIGINS.includes(span.origin) ? span.origin : "draft"}`;
     s.dataset.origin = span.origin;
     s.textContent = span.text;
     frag.append(s);

@@ -129,6 +129,15 @@ class HeadCache:
         self.k, self.v = k, v
 
 
+@dataclass(frozen=True)
+class HeadSpan:
+    """One request's rows in a head forward: positions [start, start + length)."""
+
+    cache: HeadCache
+    start: int
+    length: int
+
+
 class _Attention(nn.Module):
     def __init__(self, c: Eagle3Config) -> None:
         super().__init__()
@@ -198,33 +207,49 @@ class Eagle3Head(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden]: fused target features, or the head's own prenorm
-        token_ids: torch.Tensor,  # [T]: the token after each position
-        start: int,  # position of row 0; rows are positions [start, start + T)
-        cache: HeadCache,
+        token_ids: torch.Tensor,  # [T]: the token after each row's position
+        spans: list[HeadSpan],  # the requests' rows, in order
     ) -> tuple[torch.Tensor, torch.Tensor]:  # normed (for logits), prenorm (the next hidden)
+        """Every request's rows in one pass: the projections batched, attention per request."""
         layer, c = self.midlayer, self.config
         embeds = self.embed(token_ids)
         h = layer.hidden_norm(hidden)
         residual = h if c.norm_before_residual else hidden
         x = torch.cat([layer.input_layernorm(embeds), h], dim=-1)  # [T, 2 * hidden]
-        residual = residual + self._attend(x, start, cache)
+        residual = residual + self._attend(x, spans)
         residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
         return self.norm(residual), residual
 
-    def _attend(self, x: torch.Tensor, start: int, cache: HeadCache) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, spans: list[HeadSpan]) -> torch.Tensor:  # [T, hidden]
         attn, c, num = self.midlayer.self_attn, self.config, x.shape[0]
-        positions = torch.arange(start, start + num, device=x.device)
-        cos, sin = self.rotary.tables(positions, x.dtype)
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])
+        cos, sin = self.rotary.tables(positions.to(x.device), x.dtype)
         q = apply_rope(attn.q_proj(x).view(num, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(attn.k_proj(x).view(num, c.num_kv_heads, c.head_dim), cos, sin)
-        keys, values = cache.write(start, k, attn.v_proj(x).view(num, c.num_kv_heads, c.head_dim))
-        group = c.num_heads // c.num_kv_heads
+        v = attn.v_proj(x).view(num, c.num_kv_heads, c.head_dim)
+        out, row = [], 0
+        for span in spans:
+            rows = slice(row, row + span.length)
+            out.append(self._attend_one(q[rows], k[rows], v[rows], span))
+            row += span.length
+        return attn.o_proj(torch.cat(out).reshape(num, c.num_heads * c.head_dim))
+
+    def _attend_one(
+        self,
+        q: torch.Tensor,  # [L, heads, head_dim]
+        k: torch.Tensor,  # [L, kv_heads, head_dim]
+        v: torch.Tensor,  # [L, kv_heads, head_dim]
+        span: HeadSpan,
+    ) -> torch.Tensor:  # [L, heads, head_dim]
+        keys, values = span.cache.write(span.start, k, v)  # [start + L, kv_heads, head_dim]
+        group = self.config.num_heads // self.config.num_kv_heads
         keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, S, head_dim]
         values = values.transpose(0, 1).repeat_interleave(group, dim=0)
-        # query i sits at position start + i and sees keys [0, start + i]
-        seen = torch.arange(keys.shape[1], device=x.device)[None, :] <= positions[:, None]
+        # row i sits at position start + i and sees keys [0, start + i]
+        query_pos = torch.arange(span.start, span.start + span.length, device=q.device)
+        seen = torch.arange(keys.shape[1], device=q.device)[None, :] <= query_pos[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=seen)
-        return attn.o_proj(out.transpose(0, 1).reshape(num, c.num_heads * c.head_dim))
+        return out.transpose(0, 1)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         """Over the target's vocabulary: -inf wherever the draft vocabulary has no id, so the

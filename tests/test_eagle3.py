@@ -27,6 +27,7 @@ from engine.config import SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.model.eagle3 import Eagle3Config, load_eagle3_head
 from engine.sample.sampling_params import SamplingParams
+from engine.sample.structured import Constraints, grammar_from
 
 MAX_TOKENS = 12
 HEAD_HIDDEN = 64  # the tiny targets' hidden size: the head shares their embedding
@@ -177,6 +178,29 @@ def test_greedy_with_chunked_prefill_and_preemption(
     assert [s.output_token_ids for s in seqs] == outputs(plain, prompts, greedy(MAX_TOKENS))
     assert _drafted(seqs)[0] > 0
     assert engine.block_manager.num_free_blocks == 24
+
+
+def test_greedy_json_is_the_same_and_valid(
+    plain: LLMEngine, tiny_model_dir: Path, head_dir: Path, vocab: int
+) -> None:
+    """Under a grammar the head's rows are masked as the verify rows will be, and grammar-forced
+    tokens (drafted for free, without the head) leave it positions to catch up on later."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    constraints = Constraints(grammar=grammar_from("json", schema))
+    params = SamplingParams(max_tokens=60, temperature=0.0, constraints=constraints)
+    engine = eagle3_engine(tiny_model_dir, head_dir, k=3)
+    prompts = random_prompts(4, (3, 20), vocab, seed=67)
+    seqs = engine.generate(prompts, params)
+    assert [s.output_token_ids for s in seqs] == outputs(plain, prompts, params)
+    for seq in seqs:
+        assert seq.finish_reason == "stop"
+        json.loads(engine.tokenizer.decode(seq.output_token_ids))
+    assert seqs[0].spec.by_proposer.get("eagle3", [0])[0] > 0
 
 
 # ---- sampling ----------------------------------------------------------------------------------

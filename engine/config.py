@@ -76,13 +76,6 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.method != "none" and self.num_speculative_tokens > 0
 
-    @property
-    def planned(self) -> bool:
-        """Drafts planned from measured costs (the planner). Not for eagle3 yet: the planner
-        prices the draft model's forwards and has no cost curve for the head, so an eagle3
-        request drafts its k every step."""
-        return self.enabled and self.adaptive and self.method != "eagle3"
-
 
 @dataclass(frozen=True)
 class EngineConfig:

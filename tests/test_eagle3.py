@@ -94,8 +94,12 @@ def write_head(
     return path
 
 
-def eagle3_engine(target: Path, head: Path, k: int = 3, **overrides: object) -> LLMEngine:
-    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=k, draft_model=str(head))
+def eagle3_engine(
+    target: Path, head: Path, k: int = 3, adaptive: bool = False, **overrides: object
+) -> LLMEngine:
+    spec = SpeculativeConfig(
+        method="eagle3", num_speculative_tokens=k, draft_model=str(head), adaptive=adaptive
+    )
     return make_engine(target, speculative=spec, **overrides)
 
 
@@ -329,3 +333,22 @@ def test_a_copying_head_gets_its_first_draft_accepted(
         assert seq.spec.num_drafts >= 4
         assert seq.spec.num_accepted_tokens == seq.spec.num_drafts
         assert seq.spec.accepted_per_pos[0] == seq.spec.num_drafts
+
+
+def test_planned_drafts_stay_lossless_and_price_the_head(
+    bigram_target: Path, tmp_path: Path
+) -> None:
+    """With the planner the head's forwards are measured into the draft's cost curve, and a head
+    whose first draft is always right keeps drafting."""
+    vocab = hf_model(bigram_target).config.vocab_size
+    draft_ids = sorted({*CYCLE, *range(0, vocab, 7)})
+    head = write_head(tmp_path / "head", bigram_target, draft_ids, edit=_copy_head)
+    engine = eagle3_engine(bigram_target, head, k=3, adaptive=True)
+    assert engine.costs.draft.known
+    prompts = random_prompts(4, (3, 20), vocab, seed=73)
+    seqs = engine.generate(prompts, greedy(24))
+    assert [s.output_token_ids for s in seqs] == outputs(
+        make_engine(bigram_target), prompts, greedy(24)
+    )
+    drafted, accepted = _drafted(seqs)
+    assert accepted > 0 and drafted > 0

@@ -68,7 +68,9 @@ class LLMEngine:
         self.draft: ModelRunner | None = None
         spec = config.speculative
         self.costs = StepCosts()
-        self.planner = SpecPlanner(spec.proposers, self.costs) if spec.planned else None
+        self.planner = (
+            SpecPlanner(spec.proposers, self.costs) if spec.enabled and spec.adaptive else None
+        )
         self.proposer: Proposer = ForcedDraftProposer(self._build_proposer())
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
@@ -165,7 +167,7 @@ class LLMEngine:
         if not stats.num_prompt_tokens:
             for rows, seconds in target:
                 self.costs.target.track(rows, seconds, sets_level=not stats.spec.num_draft_tokens)
-        drafts = self.draft.take_timings() if self.draft is not None else []
+        drafts = self._draft_timings()
         if log.isEnabledFor(logging.DEBUG):  # every step: build the lists only when logged
             log.debug(
                 "step %.3f s: target (rows, s) %s, draft %s, %d drafted",
@@ -182,6 +184,12 @@ class LLMEngine:
             [seconds for _, seconds in drafts],
             propose_seconds,
         )
+
+    def _draft_timings(self) -> list[tuple[int, float]]:
+        """(rows, seconds) of the draft model's or the EAGLE-3 head's forwards since last asked."""
+        if self.draft is not None:
+            return self.draft.take_timings()
+        return self._eagle3.take_timings() if self._eagle3 is not None else []
 
     def _ngram_drafts(self, item: ScheduledSeq) -> int:
         """How many drafts an n-gram lookup finds for the request now (0 without an n-gram proposer)."""
@@ -209,6 +217,10 @@ class LLMEngine:
                 rows = calibration_rows(max_rows)
                 calibrate(curve, runner, rows, num_blocks, prompt_rows_from=step_rows + 1)
                 runner.timings = []
+        if self._eagle3 is not None:  # the head's forwards are priced as the draft's
+            for num_rows, seconds in self._eagle3.calibrate(calibration_rows(catch_up_rows)):
+                self.costs.draft.observe(num_rows, seconds)
+            self._eagle3.timings = []
 
     def generate(
         self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]
@@ -396,6 +408,7 @@ class LLMEngine:
     def _build_proposer(self) -> Proposer:
         spec = self.config.speculative
         self._ngram = NgramProposer(spec) if "ngram" in spec.proposers else None
+        self._eagle3: Eagle3Proposer | None = None
         if spec.method == "ngram":
             return self._ngram  # type: ignore[return-value]
         if spec.method == "eagle3":
@@ -434,7 +447,8 @@ class LLMEngine:
             self.target.dtype,
         )
         self.target.keep_aux_hidden(head.config.aux_layers(model.shape.num_layers))
-        return Eagle3Proposer(head, self.target)
+        self._eagle3 = Eagle3Proposer(head, self.target)
+        return self._eagle3
 
     def _runners(self) -> list[ModelRunner]:
         return [self.target] if self.draft is None else [self.target, self.draft]

@@ -261,6 +261,14 @@ class SpecPlanner:
         """The request's n-gram match or the draft model, whichever gives the step more tokens
         per second; the draft only where its catch-up (if any) pays."""
         state, seq = self.state_of(item.seq), item.seq
+        if item.k_for("eagle3"):
+            # An EAGLE-3 head, priced on the draft's curve; its catch-up (what the target accepted
+            # since) rides in its first forward. It drafts only in a step that computes just the
+            # last token: the features of the others do not exist yet.
+            if item.num_new_tokens != 1:
+                return None
+            gains, probe = self._gains(state, "eagle3", item.k_for("eagle3"))
+            return DraftOption(index, "eagle3", gains, FED_BACK, probe)
         matched = ngram_drafts(item) if item.k_for("ngram") else 0
         ngram = self._gains(state, "ngram", matched) if matched else None
         draft = self._gains(state, "draft", item.k_for("draft")) if item.k_for("draft") else None

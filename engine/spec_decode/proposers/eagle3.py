@@ -21,11 +21,15 @@ with the noise of the position they fill, as the draft model does.
 
 from __future__ import annotations
 
+import statistics
+import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+from engine.model import device as devices
+from engine.model.device import TimingMark, elapsed_seconds, start_timing, stop_timing
 from engine.model.eagle3 import Eagle3Head, HeadCache, HeadSpan
 from engine.model.runner import ModelRunner
 from engine.sample import structured
@@ -49,6 +53,9 @@ class Eagle3Proposer:
         self._states: weakref.WeakKeyDictionary[Sequence, _HeadState] = (
             weakref.WeakKeyDictionary()
         )  # one per live request
+        # (rows, start, stop) of each head forward since the engine last took them; None: not
+        # timed (the draft model's runner keeps the same record, ModelRunner.timings)
+        self.timings: list[tuple[int, TimingMark, TimingMark]] | None = None
 
     @torch.inference_mode()
     def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
@@ -61,17 +68,16 @@ class Eagle3Proposer:
         rows, step = active, 0
         while rows:
             if step == 0:
-                normed, hidden = self._catch_up(
-                    [batch[i].seq for i in rows], [states[i] for i in rows]
-                )
+                seqs = [batch[i].seq for i in rows]
+                logits, hidden = self._catch_up(seqs, [states[i] for i in rows])
             else:  # the head's own output and each row's last draft, one position further
                 spans = [
                     HeadSpan(states[i].cache, batch[i].seq.num_computed_tokens + step - 1, 1)
                     for i in rows
                 ]
                 tokens = self._ids([drafts[i][-1] for i in rows])
-                normed, hidden = self.head(hidden, tokens, spans)  # [len(rows), hidden] each
-            drafted = self._pick(batch, rows, self.head.logits(normed), drafts, probs)
+                logits, hidden = self._run(hidden, tokens, spans)
+            drafted = self._pick(batch, rows, logits, drafts, probs)
             step += 1
             keep = [
                 r
@@ -98,9 +104,11 @@ class Eagle3Proposer:
 
     def _catch_up(
         self, seqs: list[Sequence], states: list[_HeadState]
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [len(seqs), hidden] each: normed, prenorm
+    ) -> tuple[
+        torch.Tensor, torch.Tensor
+    ]:  # logits [len(seqs), vocab], prenorm [len(seqs), hidden]
         """Run the head over the computed positions each request's head has not seen (at least the
-        last one, which drafts); returns each request's last row."""
+        last one, which drafts); returns each request's last row, its logits and prenorm."""
         spans, aux, tokens = [], [], []
         for seq, state in zip(seqs, states, strict=True):
             end = seq.num_computed_tokens
@@ -111,10 +119,51 @@ class Eagle3Proposer:
             )  # [L, 3 * target_hidden]
             tokens += seq.token_ids[start + 1 : end + 1]  # the token after each position
             state.frontier = end
-        hidden = self.head.fuse(torch.cat(aux))
-        normed, prenorm = self.head(hidden, self._ids(tokens), spans)
         last = torch.tensor([span.length for span in spans]).cumsum(0) - 1
-        return normed[last], prenorm[last]
+        return self._run(torch.cat(aux), self._ids(tokens), spans, last, fuse=True)
+
+    def _run(
+        self,
+        hidden: torch.Tensor,  # [T, hidden], or the target's features [T, 3 * target_hidden]
+        tokens: torch.Tensor,  # [T]
+        spans: list[HeadSpan],
+        last: torch.Tensor | None = None,  # [R]: the rows that draft; None: all
+        fuse: bool = False,  # hidden holds the target's features: fc fuses them first
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [R, vocab], prenorm [R, hidden]
+        """One head forward, timed where the engine asks (its cost curve is the draft's)."""
+        device = self.head.device
+        started = start_timing(device) if self.timings is not None else None
+        normed, prenorm = self.head(self.head.fuse(hidden) if fuse else hidden, tokens, spans)
+        if last is not None:
+            normed, prenorm = normed[last], prenorm[last]
+        logits = self.head.logits(normed)
+        if self.timings is not None and started is not None:
+            self.timings.append((tokens.shape[0], started, stop_timing(device)))
+        return logits, prenorm
+
+    def take_timings(self) -> list[tuple[int, float]]:
+        """(rows, seconds) of each timed head forward since the last call."""
+        taken = self.timings or []
+        if self.timings is not None:
+            self.timings = []
+        return [(rows, elapsed_seconds(start, stop)) for rows, start, stop in taken]
+
+    def calibrate(self, rows: list[int], rounds: int = 3) -> list[tuple[int, float]]:
+        """(rows, seconds) of a head forward with its logits at each row count, the median of
+        `rounds` after a warm-up, on a scratch cache: before any request runs."""
+        width = 3 * self.head.config.target_hidden_size
+        measured = []
+        for m in rows:
+            features = torch.zeros(m, width, device=self.head.device)
+            tokens, seconds = self._ids([0] * m), []
+            for _ in range(rounds + 1):
+                devices.synchronize(self.head.device)
+                t0 = time.perf_counter()
+                self._run(features, tokens, [HeadSpan(self.head.new_cache(), 0, m)], fuse=True)
+                devices.synchronize(self.head.device)
+                seconds.append(time.perf_counter() - t0)
+            measured.append((m, statistics.median(seconds[1:])))
+        return measured
 
     def _ids(self, token_ids: list[int]) -> torch.Tensor:  # [T] long on the head's device
         return torch.tensor(token_ids, dtype=torch.long, device=self.head.device)

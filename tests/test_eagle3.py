@@ -8,6 +8,8 @@ them (fc, midlayer.*, norm, lm_head over a reduced draft vocabulary, d2t / t2d):
 - a head built to copy a "bigram" target (every layer adds nothing, so each next token is a
   function of the current one): its first draft is always right, which shows the drafts really
   come from the target's hidden states at the right positions.
+The head's arithmetic is checked against a dense reference written from the format's description,
+and the target's kept streams against transformers' hidden states.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from tiny import make_tiny_model
 
 from engine.config import SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
-from engine.model.eagle3 import Eagle3Config, load_eagle3_head
+from engine.model.eagle3 import Eagle3Config, HeadSpan, load_eagle3_head
+from engine.model.runner import ForwardInput
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import Constraints, grammar_from
 
@@ -130,6 +133,104 @@ def test_config_reads_the_public_format(head_dir: Path) -> None:
     assert config.aux_layers(2) == (0, 1, 2)
     with pytest.raises(ValueError, match="three distinct"):
         Eagle3Config(**{**config.__dict__, "aux_layer_ids": None}).aux_layers(4)
+
+
+def _reference_logits(head: Path, embed: torch.Tensor, aux: torch.Tensor, nxt: torch.Tensor):  # type: ignore[no-untyped-def]
+    """The head's draft-vocabulary logits at positions 0..T-1, written out densely from the
+    public description (vLLM's llama_eagle3): aux [T, 3 * target_hidden], nxt [T] next tokens."""
+    w, cfg = (
+        load_file(str(head / "model.safetensors")),
+        json.loads((head / "config.json").read_text()),
+    )
+    heads, kv_heads, eps = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["rms_norm_eps"],
+    )
+    dim, num = HEAD_HIDDEN // heads, aux.shape[0]
+
+    def rms(x: torch.Tensor, name: str) -> torch.Tensor:
+        return w[name] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:  # [T, n, dim], rotate_half form
+        inv = 1.0 / cfg["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)
+        ang = torch.arange(num).float()[:, None] * inv[None]
+        cos, sin = (
+            torch.cat([ang, ang], -1).cos()[:, None],
+            torch.cat([ang, ang], -1).sin()[:, None],
+        )
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    h = aux @ w["fc.weight"].T
+    x = torch.cat(
+        [rms(embed[nxt], "midlayer.input_layernorm.weight"), rms(h, "midlayer.hidden_norm.weight")],
+        -1,
+    )
+    proj = {n: x @ w[f"midlayer.self_attn.{n}_proj.weight"].T for n in "qkv"}
+    q = rope(proj["q"].view(num, heads, dim)).transpose(0, 1)
+    k = (
+        rope(proj["k"].view(num, kv_heads, dim))
+        .repeat_interleave(heads // kv_heads, 1)
+        .transpose(0, 1)
+    )
+    v = proj["v"].view(num, kv_heads, dim).repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+    scores = (q @ k.transpose(1, 2)) / dim**0.5 + torch.full((num, num), -torch.inf).triu(1)
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(num, heads * dim)
+    r = h + attn @ w["midlayer.self_attn.o_proj.weight"].T
+    m = rms(r, "midlayer.post_attention_layernorm.weight")
+    gate, up = m @ w["midlayer.mlp.gate_proj.weight"].T, m @ w["midlayer.mlp.up_proj.weight"].T
+    r = r + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
+    return rms(r, "norm.weight") @ w["lm_head.weight"].T  # [T, draft_vocab]
+
+
+def test_the_head_computes_what_the_format_describes(
+    head_dir: Path, tiny_model_dir: Path, vocab: int
+) -> None:
+    """Run in pieces over its own cache (a catch-up of 5 rows, then one row at a time, as when
+    drafting), the head gives the dense reference's logits at every position, each at its
+    target id (d2t) and -inf elsewhere."""
+    target_hidden = 3 * json.loads((tiny_model_dir / "config.json").read_text())["hidden_size"]
+    gen = torch.Generator().manual_seed(5)
+    embed = torch.nn.Embedding(vocab, HEAD_HIDDEN)
+    torch.nn.init.normal_(embed.weight, generator=gen)
+    aux, nxt = (
+        torch.randn(9, target_hidden, generator=gen),
+        torch.randint(vocab, (9,), generator=gen),
+    )
+    head = load_eagle3_head(
+        str(head_dir), embed, HEAD_HIDDEN, vocab, 64, torch.device("cpu"), torch.float32
+    )
+    cache, rows = head.new_cache(), []
+    with torch.no_grad():
+        for start, end in [(0, 5), (5, 6), (6, 7), (7, 8), (8, 9)]:
+            span = HeadSpan(cache, start, end - start)
+            normed, _ = head(head.fuse(aux[start:end]), nxt[start:end], [span])
+            rows.append(head.logits(normed))
+        expected = _reference_logits(head_dir, embed.weight, aux, nxt)
+    logits = torch.cat(rows)
+    ids = head.target_ids
+    torch.testing.assert_close(logits[:, ids], expected, rtol=1e-4, atol=1e-4)
+    assert torch.isinf(logits).sum() == 9 * (vocab - len(ids))
+
+
+def test_the_target_keeps_the_streams_entering_the_head_layers(
+    tiny_model_dir: Path, head_dir: Path, vocab: int
+) -> None:
+    """Layer ids as vLLM reads them: j is the stream entering layer j (transformers'
+    hidden_states[j]); j == num_layers, an extension, the last layer's output before the norm."""
+    engine = eagle3_engine(tiny_model_dir, head_dir)
+    prompt = random_prompts(1, (11, 11), vocab, seed=79)[0]
+    table = list(range(3))  # 12 slots of 4; no request holds them yet
+    engine.target.forward([ForwardInput(prompt, 0, table, 1)])
+    kept = engine.target.aux_hidden(table, 0, len(prompt))  # [11, 3 * hidden]
+    model, before_norm = hf_model(tiny_model_dir), []
+    hook = model.model.norm.register_forward_hook(lambda m, args, out: before_norm.append(args[0]))
+    with torch.no_grad():
+        states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    hook.remove()
+    expected = torch.cat([states[0][0], states[1][0], before_norm[0][0]], dim=-1)
+    torch.testing.assert_close(kept, expected, rtol=1e-4, atol=1e-4)
 
 
 def _drop_hidden_norm(weights: Weights) -> None:

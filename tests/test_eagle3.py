@@ -22,18 +22,21 @@ import numpy as np
 import pytest
 import torch
 from engine_utils import chi_square_pvalue, greedy, hf_model, make_engine, outputs, random_prompts
+from gguf import GGMLQuantizationType as Q
+from gguf_blocks import write_random_gguf
 from safetensors.torch import load_file, save_file
 from tiny import make_tiny_model
 
 from engine.config import SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
+from engine.kernels import gguf_ops
 from engine.model.eagle3 import Eagle3Config, HeadSpan, load_eagle3_head
 from engine.model.runner import ForwardInput
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import Constraints, grammar_from
 
 MAX_TOKENS = 12
-HEAD_HIDDEN = 64  # the tiny targets' hidden size: the head shares their embedding
+HEAD_HIDDEN = 64  # the tiny targets' hidden size (the head shares their embedding)
 Weights = dict[str, torch.Tensor]
 
 
@@ -51,7 +54,7 @@ def write_head(
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
-        "hidden_size": HEAD_HIDDEN,
+        "hidden_size": cfg["hidden_size"],
         "intermediate_size": 96,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
@@ -72,7 +75,8 @@ def write_head(
     def rand(*shape: int) -> torch.Tensor:
         return 0.2 * torch.randn(*shape, generator=gen)
 
-    h, kv = HEAD_HIDDEN, 2 * 16
+    h = cfg["hidden_size"]  # the head shares the target's embedding
+    kv = 2 * h // 4
     weights: Weights = {
         "fc.weight": rand(h, 3 * cfg["hidden_size"]),
         "midlayer.self_attn.q_proj.weight": rand(h, 2 * h),
@@ -453,3 +457,21 @@ def test_planned_drafts_stay_lossless_and_price_the_head(
     )
     drafted, accepted = _drafted(seqs)
     assert accepted > 0 and drafted > 0
+
+
+@pytest.mark.skipif(not gguf_ops.available(), reason="native kernels not built")
+def test_a_gguf_target_skips_its_native_stack_and_changes_no_output(tmp_path: Path) -> None:
+    """The one-call native layer stack cannot hand out the streams the head reads: with eagle3 the
+    target runs the Python layer loop, whose output is the stack's bit for bit."""
+    src = make_tiny_model(tmp_path / "src", hidden_size=256, intermediate_size=512, num_layers=3)
+    target = tmp_path / "tiny.gguf"
+    write_random_gguf(target, src, [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_0])
+    head = write_head(tmp_path / "head", src, list(range(0, 300, 3)))
+    kw: dict[str, object] = dict(quantization="gguf", dtype="bfloat16", block_size=16)
+    plain = make_engine(target, **kw)
+    assert plain.target.model.native_stack is not None
+    engine = eagle3_engine(target, head, **kw)
+    prompts = random_prompts(4, (5, 30), 300, seed=3)
+    seqs = engine.generate(prompts, greedy(MAX_TOKENS))
+    assert [s.output_token_ids for s in seqs] == outputs(plain, prompts, greedy(MAX_TOKENS))
+    assert _drafted(seqs)[0] > 0

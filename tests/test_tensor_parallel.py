@@ -94,7 +94,7 @@ class ThreadTP(TensorParallel):
 GEMMA3 = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gemma3", "phi3"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_shards_reproduce_the_whole_model(
     family: str, world_size: int, tmp_path_factory: pytest.TempPathFactory

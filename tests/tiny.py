@@ -12,6 +12,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -75,6 +76,7 @@ _FAMILIES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
     "mistral": MistralConfig,
     "gemma3": Gemma3TextConfig,
+    "phi3": Phi3Config,
 }
 
 

@@ -1,4 +1,4 @@
-"""The decoder-only family: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM, Gemma 3.
+"""The decoder-only family: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM, Gemma 3, Phi-3/4.
 
 One module covers them all: RMSNorm, RoPE (engine.model.rope), grouped-query attention with
 optional QKV bias (Qwen2) and q/k RMSNorm (Qwen3, Gemma 3), a gated MLP, tied or untied

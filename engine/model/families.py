@@ -3,17 +3,20 @@
 Every family is a configuration of the one decoder (engine.model.decoder): `build_decoder`
 reads a transformers config into a `DecoderShape`, whose switches say where a family departs
 from Llama (QKV bias, q/k norms, Gemma's offset norms, GeGLU, sandwich norms, scaled
-embeddings, sliding-window layers). A config asking for something the decoder does not do is
-refused here, by name, rather than served inexactly.
+embeddings, sliding-window layers). Phi-3/Phi-4 is Llama's layer as it is; only its checkpoint
+differs, with q/k/v and gate/up already fused (`split_fused`). A config asking for something the
+decoder does not do is refused here, by name, rather than served inexactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
+import torch
 from transformers import PretrainedConfig
 
-from engine.model.decoder import DecoderModel, DecoderShape
+from engine.model.decoder import DecoderModel, DecoderShape, WeightValue
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -21,6 +24,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
     "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 # model_type -> architecture, for configs (e.g. from GGUF) that do not name one
@@ -30,6 +34,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 _GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -48,6 +53,8 @@ def build_decoder(architecture: str, config: PretrainedConfig) -> DecoderModel:
     check_supported(architecture)
     if architecture == "Gemma3ForCausalLM":
         return DecoderModel(_gemma3_shape(config))
+    if architecture == "Phi3ForCausalLM":
+        _check_phi3(config)
     if getattr(config, "mlp_bias", False) or getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError("only bias-free SwiGLU (silu) MLPs are supported")
     attention_bias = bool(getattr(config, "attention_bias", False))
@@ -94,6 +101,51 @@ def _check_gemma3(config: PretrainedConfig) -> None:
         raise ValueError(f"Gemma 3 layer types {sorted(unknown)} or no sliding_window")
 
 
+def _check_phi3(config: PretrainedConfig) -> None:
+    """Phi-4-mini and Phi-3.5 rotate only part of each head; the decoder's rope rotates all of it."""
+    params = getattr(config, "rope_parameters", None) or {}
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise ValueError(f"Phi3ForCausalLM with partial_rotary_factor={partial} is not supported")
+
+
+# checkpoint matrices that hold several of the decoder's, row blocks in this order (Phi-3's)
+_FUSED_IN_CHECKPOINT = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def split_fused(
+    architecture: str, config: PretrainedConfig, weights: Iterable[tuple[str, WeightValue]]
+) -> Iterator[tuple[str, WeightValue]]:
+    """Phi-3's fused q/k/v and gate/up matrices as the separate ones the other families' checkpoints
+    hold, so quantization and tensor parallelism load them as they load those (the decoder fuses
+    them again, its own way); other architectures' weights pass through."""
+    if architecture != "Phi3ForCausalLM":
+        yield from weights
+        return
+    shape = DecoderShape.from_config(config, qkv_bias=False, o_bias=False, qk_norm=False)
+    sizes = {
+        "self_attn.qkv_proj": [shape.q_size, shape.kv_size, shape.kv_size],
+        "mlp.gate_up_proj": [shape.intermediate_size] * 2,
+    }
+    for name, value in weights:
+        base, _, suffix = name.rpartition(".")
+        fused = next((f for f in _FUSED_IN_CHECKPOINT if base.endswith(f)), None)
+        if fused is None:
+            yield name, value
+            continue
+        prefix, start = base.removesuffix(fused), 0
+        for part, size in zip(_FUSED_IN_CHECKPOINT[fused], sizes[fused], strict=True):
+            rows = torch.arange(start, start + size)
+            yield (
+                f"{prefix}{part}.{suffix}",
+                value[rows] if isinstance(value, torch.Tensor) else value.rows(rows),
+            )
+            start += size
+
+
 __all__ = [
     "ARCHITECTURE_OF_MODEL_TYPE",
     "SUPPORTED_ARCHITECTURES",
@@ -101,4 +153,5 @@ __all__ = [
     "DecoderShape",
     "build_decoder",
     "check_supported",
+    "split_fused",
 ]

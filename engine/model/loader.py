@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from engine.config import Quantization
 from engine.model.decoder import WeightValue
-from engine.model.families import ARCHITECTURE_OF_MODEL_TYPE, check_supported
+from engine.model.families import ARCHITECTURE_OF_MODEL_TYPE, check_supported, split_fused
 from engine.model.gguf_config import gguf_config
 from engine.model.quant.for_device import quantization_for_weights
 
@@ -47,7 +47,11 @@ class LoadedModel:
     gguf_file: Path | None = None  # weights read raw from here (weights_dir: config only)
 
     def iter_weights(self) -> Iterator[tuple[str, WeightValue]]:
-        """(transformers name, tensor or quantized weight) pairs, read lazily one at a time."""
+        """(transformers name, tensor or quantized weight) pairs, read lazily one at a time;
+        fused checkpoint matrices (Phi-3's) split into the other families' names."""
+        yield from split_fused(self.architecture, self.hf_config, self._checkpoint_weights())
+
+    def _checkpoint_weights(self) -> Iterator[tuple[str, WeightValue]]:
         if self.gguf_file is not None:
             from engine.model.quant.gguf_weights import read_gguf_weights
 

@@ -45,6 +45,18 @@ def rope_layer_types(config: PretrainedConfig) -> tuple[str, ...]:
     return tuple(sorted(k for k, v in params.items() if isinstance(v, dict)))
 
 
+def rope_positions_limit(config: PretrainedConfig) -> int | None:
+    """The sequence length up to which transformers rotates as our one table does (None: any).
+    Its longrope (Phi-3) moves a sequence to the long factors once it passes
+    original_max_position_embeddings, every position at once: keys cached with the short ones
+    could not follow, so such a model is served within that length (the short factors, exact)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings")
+    return int(original or config.original_max_position_embeddings)
+
+
 def _inv_freq(
     config: PretrainedConfig, head_dim: int, layer_type: str | None
 ) -> tuple[torch.Tensor, float]:

@@ -22,6 +22,7 @@ from engine.model.parallel.layers import shard_decoder
 from engine.model.parallel.state import TensorParallel, tensor_parallel_for
 from engine.model.quant.model import WeightSummary, quantize_mode, summarize, swap_in_quantized
 from engine.model.quant.native import forward_chunks
+from engine.model.rope import rope_positions_limit
 
 log = logging.getLogger("specserve.engine")
 
@@ -101,6 +102,7 @@ class ModelRunner:
     @property
     def max_model_len(self) -> int:
         limit = int(self.hf_config.max_position_embeddings)
+        limit = min(limit, rope_positions_limit(self.hf_config) or limit)
         if self.model.shape.sliding_window is not None:
             return limit  # its layers' windows are honoured (Gemma 3): no limit of theirs
         window = getattr(self.hf_config, "sliding_window", None)

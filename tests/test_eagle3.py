@@ -260,6 +260,20 @@ def test_a_head_that_does_not_fit_is_refused(
         )
 
 
+def test_a_pytorch_model_bin_loads_the_same(head_dir: Path, vocab: int, tmp_path: Path) -> None:
+    """The EAGLE authors' heads ship pytorch_model.bin: the same tensors, the same head."""
+    (tmp_path / "config.json").write_text((head_dir / "config.json").read_text())
+    torch.save(load_file(str(head_dir / "model.safetensors")), tmp_path / "pytorch_model.bin")
+    embed, cpu = torch.nn.Embedding(vocab, HEAD_HIDDEN), torch.device("cpu")
+    heads = [
+        load_eagle3_head(str(d), embed, HEAD_HIDDEN, vocab, 64, cpu, torch.float32)
+        for d in (head_dir, tmp_path)
+    ]
+    assert torch.equal(heads[0].target_ids, heads[1].target_ids)
+    for a, b in zip(heads[0].state_dict().values(), heads[1].state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("batch", [1, 6])
 def test_greedy_equals_plain(
     batch: int, plain: LLMEngine, tiny_model_dir: Path, head_dir: Path, vocab: int

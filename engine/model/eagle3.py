@@ -11,8 +11,9 @@ as h. The embedding is the target's unless the file has its own.
 The folder holds config.json (`architectures: ["LlamaForCausalLMEagle3"]`, the sizes,
 `draft_vocab_size`, optional `target_hidden_size`, the target layers in
 `eagle_aux_hidden_state_layer_ids` at the top or in `eagle_config`; vLLM's ids: j is the stream
-entering layer j) and safetensors files: `fc.weight`, `midlayer.*`, `norm.weight`,
-`lm_head.weight`, `d2t`, `t2d`, optionally `embed_tokens.weight`.
+entering layer j; num_layers, an extension, the last layer's output before the norm) and
+safetensors files or a pytorch_model.bin: `fc.weight`, `midlayer.*` (or `layers.0.*`),
+`norm.weight`, `lm_head.weight`, `d2t`, `t2d`, optionally `embed_tokens.weight`.
 
 Each request keeps the head's K/V in a `HeadCache` of its own, addressed by position (a later
 step writes the target's paged pool instead).
@@ -67,6 +68,10 @@ class Eagle3Config:
             raise ValueError(f"EAGLE-3 head activation {raw['hidden_act']!r} is not supported")
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         eagle = raw.get("eagle_config") or {}
+        if eagle.get("use_aux_hidden_state", True) is False:
+            raise ValueError(
+                "an EAGLE-3 head without the target's aux hidden states is not supported"
+            )
         ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get(
             "eagle_aux_hidden_state_layer_ids"
         )
@@ -296,15 +301,18 @@ def load_eagle3_head(
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """safetensors files, else a pytorch_model.bin (the EAGLE authors' own heads ship one), read
+    as tensors only (`weights_only`: no code in the file runs)."""
     files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{folder} has no .safetensors files (an EAGLE-3 head's weights)")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in load_file(str(file)).items():
-            name = name.removeprefix("model.").replace("layers.0.", "midlayer.")
-            weights[name] = tensor
-    return weights
+    if files:
+        raw = {name: t for file in files for name, t in load_file(str(file)).items()}
+    elif (folder / "pytorch_model.bin").is_file():
+        raw = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"{folder} has no .safetensors or pytorch_model.bin (the head's weights)")
+    return {
+        name.removeprefix("model.").replace("layers.0.", "midlayer."): t for name, t in raw.items()
+    }
 
 
 def _target_ids(

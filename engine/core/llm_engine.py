@@ -218,7 +218,8 @@ class LLMEngine:
                 calibrate(curve, runner, rows, num_blocks, prompt_rows_from=step_rows + 1)
                 runner.timings = []
         if self._eagle3 is not None:  # the head's forwards are priced as the draft's
-            for num_rows, seconds in self._eagle3.calibrate(calibration_rows(catch_up_rows)):
+            head_rows = calibration_rows(min(catch_up_rows, self.max_model_len))
+            for num_rows, seconds in self._eagle3.calibrate(head_rows):
                 self.costs.draft.observe(num_rows, seconds)
             self._eagle3.timings = []
 

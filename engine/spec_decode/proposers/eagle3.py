@@ -104,20 +104,18 @@ class Eagle3Proposer:
 
     def _catch_up(
         self, seqs: list[Sequence], states: list[_HeadState]
-    ) -> tuple[
-        torch.Tensor, torch.Tensor
-    ]:  # logits [len(seqs), vocab], prenorm [len(seqs), hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the head over the computed positions each request's head has not seen (at least the
-        last one, which drafts); returns each request's last row, its logits and prenorm."""
+        last one, which drafts); returns each request's last row: logits [len(seqs), vocab] and
+        prenorm [len(seqs), hidden]."""
         spans, aux, tokens = [], [], []
         for seq, state in zip(seqs, states, strict=True):
             end = seq.num_computed_tokens
             start = min(state.frontier, end - 1)
             spans.append(HeadSpan(state.cache, start, end - start))
-            aux.append(
-                self.target.aux_hidden(seq.block_table, start, end)
-            )  # [L, 3 * target_hidden]
-            tokens += seq.token_ids[start + 1 : end + 1]  # the token after each position
+            # [end - start, 3 * target_hidden], and the token after each position
+            aux.append(self.target.aux_hidden(seq.block_table, start, end))
+            tokens += seq.token_ids[start + 1 : end + 1]
             state.frontier = end
         last = torch.tensor([span.length for span in spans]).cumsum(0) - 1
         return self._run(torch.cat(aux), self._ids(tokens), spans, last, fuse=True)

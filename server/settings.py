@@ -6,6 +6,7 @@ Precedence: flags > environment > config file > defaults. Unknown keys are error
 from __future__ import annotations
 
 from contextvars import ContextVar
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,26 @@ from pydantic_settings import (
 )
 
 from engine.config import EngineConfig, Quantization, SpeculativeConfig
+
+# Engine settings renamed at the edge (settings key -> SpeculativeConfig field); every other engine
+# setting has its field's own name. Engine fields with no key here: tokenizer, num_kv_blocks, seed.
+_RENAMED = {
+    "speculative_method": "method",
+    "speculative_disable_batch_size": "disable_by_batch_size",
+    "speculative_adaptive": "adaptive",
+}
+_ENGINE_FIELDS = {f.name: f for f in fields(EngineConfig)}
+_SPEC_FIELDS = {f.name: f for f in fields(SpeculativeConfig)}
+
+
+def engine_default(key: str) -> Any:
+    """The engine's own default for a settings key: every engine default is written once, in
+    engine/config.py, and the file, the variables and the flags start from it."""
+    name = _RENAMED.get(key, key)
+    found = _SPEC_FIELDS.get(name) or _ENGINE_FIELDS[name]
+    assert found.default is not MISSING, f"{key} has no default in engine/config.py"
+    return found.default
+
 
 # The file's values for the `Settings` being built now (a settings source cannot take arguments).
 _file_values: ContextVar[dict[str, Any] | None] = ContextVar("_file_values", default=None)
@@ -35,55 +56,69 @@ class Settings(BaseSettings):
 
     model: str = Field(description="target model: folder, .gguf file, hub id or bundled:NAME")
     draft_model: str | None = Field(
-        default=None, description="draft model for --speculative-method draft"
+        default=engine_default("draft_model"),
+        description="draft model for --speculative-method draft",
     )
     served_model_name: str | None = Field(default=None, description="model name clients use")
     speculative_method: Literal["none", "draft", "ngram", "hybrid", "eagle3"] = Field(
-        default="none",
+        default=engine_default("speculative_method"),
         description="speculation: none, draft (a small model), ngram (prompt lookup), "
         "hybrid (an n-gram match where there is one, else the draft model), "
         "eagle3 (an EAGLE-3 head, draft_model its folder, reading the target's hidden states)",
     )
     num_speculative_tokens: int = Field(
-        default=4, ge=0, le=64, description="k: draft tokens per step"
+        default=engine_default("num_speculative_tokens"),
+        ge=0,
+        le=64,
+        description="k: draft tokens per step",
     )
     ngram_min: int = Field(
-        default=1, ge=1, description="shortest n-gram the n-gram proposer matches"
+        default=engine_default("ngram_min"),
+        ge=1,
+        description="shortest n-gram the n-gram proposer matches",
     )
     ngram_max: int = Field(
-        default=4, ge=1, description="longest n-gram the n-gram proposer matches"
+        default=engine_default("ngram_max"),
+        ge=1,
+        description="longest n-gram the n-gram proposer matches",
     )
     speculative_disable_batch_size: int = Field(
-        default=0, ge=0, description="decode plainly above this many running requests (0: never)"
+        default=engine_default("speculative_disable_batch_size"),
+        ge=0,
+        description="decode plainly above this many running requests (0: never)",
     )
     speculative_adaptive: bool = Field(
-        default=True, description="choose each step's k from measured costs and acceptance"
+        default=engine_default("speculative_adaptive"),
+        description="choose each step's k from measured costs and acceptance",
     )
     draft_p_min: float = Field(
-        default=0.0, ge=0.0, lt=1.0, description="stop drafting below this draft probability"
+        default=engine_default("draft_p_min"),
+        ge=0.0,
+        lt=1.0,
+        description="stop drafting below this draft probability",
     )
     draft_vocab_size: int | None = Field(
-        default=None,
+        default=engine_default("draft_vocab_size"),
         ge=1,
         description="the draft proposes only from the first this many token ids, a smaller head "
         "(null: the whole vocabulary)",
     )
     draft_compile: bool = Field(
-        default=False,
+        default=engine_default("draft_compile"),
         description="run the draft's single-request decode through a torch.compile'd graph "
         "(compiled at start; cached on disk)",
     )
-    device: str = Field(default="cpu", description="cpu, cuda, cuda:N")
+    device: str = Field(default=engine_default("device"), description="cpu, cuda, cuda:N")
     tensor_parallel_size: int = Field(
-        default=1,
+        default=engine_default("tensor_parallel_size"),
         ge=1,
         description="shard the target over this many ranks (gloo on CPU, NCCL on CUDA)",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        default="bfloat16", description="weights"
+        default=engine_default("dtype"), description="weights"
     )
     quantization: Quantization = Field(
-        default="auto",
+        default=engine_default("quantization"),
         description="auto: the fastest path here (a GGUF's blocks on the native kernels, on "
         "torch's int4/int8 kernels without them; dense on CUDA or for a float checkpoint); gguf: "
         "a GGUF's blocks on the native kernels; none: dequantize to dtype; int8/int4: quantize a "
@@ -91,7 +126,8 @@ class Settings(BaseSettings):
         "(fbgemm, x86 CPUs); w8a8-fast: one pass, 7-bit activations (for a draft)",
     )
     draft_quantization: Quantization | None = Field(
-        default=None, description="the draft model's quantization (null: the target's)"
+        default=engine_default("draft_quantization"),
+        description="the draft model's quantization (null: the target's)",
     )
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
@@ -101,24 +137,39 @@ class Settings(BaseSettings):
     api_key: str | None = Field(
         default=None, description="require this bearer token (all but /health, /live, /metrics)"
     )
-    max_num_seqs: int = Field(default=16, ge=1, description="most requests in one batch")
-    max_num_batched_tokens: int = Field(default=512, ge=1, description="token budget of one step")
-    max_model_len: int | None = Field(
-        default=None, ge=1, description="context window (default: model's)"
+    max_num_seqs: int = Field(
+        default=engine_default("max_num_seqs"), ge=1, description="most requests in one batch"
     )
-    block_size: int = Field(default=16, ge=1, description="KV cache block size in tokens")
-    kv_cache_gib: float = Field(default=2.0, gt=0, description="KV cache size, GiB")
+    max_num_batched_tokens: int = Field(
+        default=engine_default("max_num_batched_tokens"),
+        ge=1,
+        description="token budget of one step",
+    )
+    max_model_len: int | None = Field(
+        default=engine_default("max_model_len"),
+        ge=1,
+        description="context window (default: model's)",
+    )
+    block_size: int = Field(
+        default=engine_default("block_size"), ge=1, description="KV cache block size in tokens"
+    )
+    kv_cache_gib: float = Field(
+        default=engine_default("kv_cache_gib"), gt=0, description="KV cache size, GiB"
+    )
     gpu_memory_utilization: float = Field(
-        default=0.85,
+        default=engine_default("gpu_memory_utilization"),
         gt=0,
         le=1,
         description="on CUDA: share of the device's memory this process may hold (the KV pool "
         "gets kv_cache_gib or the rest of this share, whichever is less)",
     )
     enable_prefix_caching: bool = Field(
-        default=True, description="reuse KV blocks of shared prefixes"
+        default=engine_default("enable_prefix_caching"),
+        description="reuse KV blocks of shared prefixes",
     )
-    num_threads: int | None = Field(default=None, ge=1, description="torch threads on CPU")
+    num_threads: int | None = Field(
+        default=engine_default("num_threads"), ge=1, description="torch threads on CPU"
+    )
     max_waiting_requests: int = Field(default=256, ge=1, description="429 once this many wait")
     shutdown_grace_s: float = Field(
         default=30.0, ge=0, description="on SIGTERM, time to finish requests"
@@ -200,35 +251,18 @@ class Settings(BaseSettings):
         return str(Path(platformdirs.user_data_dir("specserve")) / "responses.sqlite3")
 
     def engine_config(self) -> EngineConfig:
-        spec = SpeculativeConfig(
-            method=self.speculative_method,
-            num_speculative_tokens=self.num_speculative_tokens,
-            draft_model=self.draft_model,
-            draft_quantization=self.draft_quantization,
-            ngram_min=self.ngram_min,
-            ngram_max=self.ngram_max,
-            disable_by_batch_size=self.speculative_disable_batch_size,
-            adaptive=self.speculative_adaptive,
-            draft_p_min=self.draft_p_min,
-            draft_vocab_size=self.draft_vocab_size,
-            draft_compile=self.draft_compile,
-        )
-        return EngineConfig(
-            model=self.model,
-            device=self.device,
-            dtype=self.dtype,
-            quantization=self.quantization,
-            block_size=self.block_size,
-            kv_cache_gib=self.kv_cache_gib,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_prefix_caching=self.enable_prefix_caching,
-            num_threads=self.num_threads,
-            tensor_parallel_size=self.tensor_parallel_size,
-            speculative=spec,
-        )
+        """The engine's config from the settings of the same names (`_RENAMED` aside)."""
+        values = self.model_dump()
+        spec = {f: values[k] for k, f in _keys(_SPEC_FIELDS).items()}
+        engine = {f: values[k] for k, f in _keys(_ENGINE_FIELDS).items()}
+        return EngineConfig(**engine, speculative=SpeculativeConfig(**spec))
+
+
+def _keys(engine_fields: dict[str, Any]) -> dict[str, str]:
+    """settings key -> engine field, for the engine fields that are settings."""
+    key_of = {field: key for key, field in _RENAMED.items()}
+    keys = {key_of.get(name, name): name for name in engine_fields}
+    return {key: name for key, name in keys.items() if key in Settings.model_fields}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

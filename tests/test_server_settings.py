@@ -173,3 +173,26 @@ def test_a_named_model_needs_no_default_config(monkeypatch: pytest.MonkeyPatch) 
     assert serve_cmd.load_settings(None, flags_of(parse("--model", "m"))).model == "m"
     monkeypatch.setenv("SPECSERVE_MODEL", "env-model")
     assert serve_cmd.load_settings(None, {}).model == "env-model"
+
+
+def test_every_engine_setting_is_a_key_with_the_engines_default() -> None:
+    """An engine setting is declared once: its default lives in engine/config.py; the settings
+    key (and so the YAML key, the variable and the flag) takes it from there."""
+    from dataclasses import MISSING, fields
+
+    from engine.config import EngineConfig, SpeculativeConfig
+    from server.settings import _RENAMED
+
+    key_of = {field: key for key, field in _RENAMED.items()}
+    internal = {"tokenizer", "num_kv_blocks", "seed", "speculative"}  # not settings on purpose
+    for cls in (EngineConfig, SpeculativeConfig):
+        for f in fields(cls):
+            if f.name in internal:
+                continue
+            key = key_of.get(f.name, f.name)
+            assert key in Settings.model_fields, f"{cls.__name__}.{f.name} has no settings key"
+            if f.default is not MISSING:
+                assert Settings.model_fields[key].default == f.default, key
+    config = Settings(model="m", speculative_method="ngram", speculative_adaptive=False)
+    assert config.engine_config().speculative.method == "ngram"
+    assert config.engine_config().speculative.adaptive is False

@@ -202,7 +202,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
-        if self.speculative_method in ("draft", "hybrid") and not self.draft_model:
+        if self.speculative_method in ("draft", "hybrid", "eagle3") and not self.draft_model:
             raise ValueError(
                 f"draft_model: required when speculative_method is {self.speculative_method}"
             )

@@ -1,7 +1,8 @@
 """Phi-3 / Phi-4 (Phi3ForCausalLM) served exactly: Llama's layer, from a checkpoint whose q/k/v
 and gate/up matrices are fused already (split at load, fused again by the decoder), with its
-rope (plain, as Phi-4's, or longrope's short factors within original_max_position_embeddings);
-against transformers' own Phi3 on tiny random models in float32."""
+rope (plain, as Phi-4's, or longrope's short factors within original_max_position_embeddings),
+partial rotary (Phi-4-mini's) included; against transformers' own Phi3 on tiny random models in
+float32."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
 from safetensors import safe_open
 from tiny import make_tiny_model
-from transformers import Phi3Config
+from transformers import LlamaConfig
 
 from engine.config import SpeculativeConfig
 from engine.model.families import build_decoder
@@ -125,13 +126,36 @@ def test_longrope_short_factors_within_the_original_length(longrope_dir: Path) -
     assert (ours - unscaled).abs().max().item() > 1e-2
 
 
-def test_partial_rotary_is_refused_by_name() -> None:
-    config = Phi3Config(
+@pytest.mark.parametrize("rope", ["default", "longrope"])
+def test_partial_rotary_matches_transformers(rope: str, tmp_path: Path) -> None:
+    """Phi-4-mini rotates 3/4 of each head (here 12 of 16 dims, with longrope's short factors as
+    it has them): its q and k heads reordered at load, the decoder's rope passing the rest."""
+    params: dict[str, object] = {"rope_type": "default", "rope_theta": 10000.0}
+    if rope == "longrope":
+        params = LONGROPE | {"short_factor": [1.0 + 0.3 * i for i in range(6)],
+                             "long_factor": [4.0 + 0.5 * i for i in range(6)],
+                             "partial_rotary_factor": 0.75}  # fmt: skip
+    config = dict(PHI3_LONGROPE, partial_rotary_factor=0.75, rope_parameters=params)
+    model_dir = make_tiny_model(tmp_path / "phi3-partial", seed=4, **config)  # type: ignore[arg-type]
+    loaded = load_model(str(model_dir))
+    assert loaded.hf_config.rope_parameters["partial_rotary_factor"] == 0.75
+    ids = _ids(ORIGINAL, seed=5)
+    ours = _chunked(loaded, ids)
+    _assert_close(ours, _reference(model_dir, ids))
+    if rope == "default":  # the same weights rotating every dim give other logits
+        whole = load_model(str(model_dir)).hf_config
+        whole.rope_parameters = {**whole.rope_parameters, "partial_rotary_factor": 1.0}
+        whole.partial_rotary_factor = 1.0
+        assert (ours - _chunked(replace(loaded, hf_config=whole), ids)).abs().max().item() > 1e-2
+
+
+def test_partial_rotary_elsewhere_is_refused_by_name() -> None:
+    config = LlamaConfig(
         vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, partial_rotary_factor=0.75,
+        intermediate_size=64, partial_rotary_factor=0.5,
     )  # fmt: skip
     with pytest.raises(ValueError, match="partial_rotary_factor"):
-        build_decoder("Phi3ForCausalLM", config)
+        build_decoder("LlamaForCausalLM", config)
 
 
 @cache
@@ -159,7 +183,7 @@ def test_greedy_equals_transformers(kind: str, phi_dir: Path, draft_dir: Path) -
 
 def _as_llama(phi_dir: Path, out: Path) -> Path:
     """The same model as a Llama checkpoint: q/k/v and gate/up as separate matrices."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     phi = AutoModelForCausalLM.from_pretrained(str(phi_dir), dtype=torch.float32)
     c = phi.config

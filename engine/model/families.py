@@ -4,8 +4,9 @@ Every family is a configuration of the one decoder (engine.model.decoder): `buil
 reads a transformers config into a `DecoderShape`, whose switches say where a family departs
 from Llama (QKV bias, q/k norms, Gemma's offset norms, GeGLU, sandwich norms, scaled
 embeddings, sliding-window layers). Phi-3/Phi-4 is Llama's layer as it is; only its checkpoint
-differs, with q/k/v and gate/up already fused (`split_fused`). A config asking for something the
-decoder does not do is refused here, by name, rather than served inexactly.
+differs, with q/k/v and gate/up already fused and (Phi-4-mini) a partial rotary (`split_fused`).
+A config asking for something the decoder does not do is refused here, by name, rather than
+served inexactly.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.model.decoder import DecoderModel, DecoderShape, WeightValue
+from engine.model.rope import partial_rotary_factor
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -53,8 +55,8 @@ def build_decoder(architecture: str, config: PretrainedConfig) -> DecoderModel:
     check_supported(architecture)
     if architecture == "Gemma3ForCausalLM":
         return DecoderModel(_gemma3_shape(config))
-    if architecture == "Phi3ForCausalLM":
-        _check_phi3(config)
+    if partial_rotary_factor(config) != 1.0 and architecture != "Phi3ForCausalLM":
+        raise ValueError(f"{architecture} with partial_rotary_factor: only Phi-3's is reordered")
     if getattr(config, "mlp_bias", False) or getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError("only bias-free SwiGLU (silu) MLPs are supported")
     attention_bias = bool(getattr(config, "attention_bias", False))
@@ -101,14 +103,6 @@ def _check_gemma3(config: PretrainedConfig) -> None:
         raise ValueError(f"Gemma 3 layer types {sorted(unknown)} or no sliding_window")
 
 
-def _check_phi3(config: PretrainedConfig) -> None:
-    """Phi-4-mini and Phi-3.5 rotate only part of each head; the decoder's rope rotates all of it."""
-    params = getattr(config, "rope_parameters", None) or {}
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        raise ValueError(f"Phi3ForCausalLM with partial_rotary_factor={partial} is not supported")
-
-
 # checkpoint matrices that hold several of the decoder's, row blocks in this order (Phi-3's)
 _FUSED_IN_CHECKPOINT = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -121,7 +115,8 @@ def split_fused(
 ) -> Iterator[tuple[str, WeightValue]]:
     """Phi-3's fused q/k/v and gate/up matrices as the separate ones the other families' checkpoints
     hold, so quantization and tensor parallelism load them as they load those (the decoder fuses
-    them again, its own way); other architectures' weights pass through."""
+    them again, its own way), q and k heads reordered for partial rotary; other architectures'
+    weights pass through."""
     if architecture != "Phi3ForCausalLM":
         yield from weights
         return
@@ -130,6 +125,7 @@ def split_fused(
         "self_attn.qkv_proj": [shape.q_size, shape.kv_size, shape.kv_size],
         "mlp.gate_up_proj": [shape.intermediate_size] * 2,
     }
+    order = _rotary_order(shape.head_dim, int(shape.head_dim * partial_rotary_factor(config)))
     for name, value in weights:
         base, _, suffix = name.rpartition(".")
         fused = next((f for f in _FUSED_IN_CHECKPOINT if base.endswith(f)), None)
@@ -139,11 +135,27 @@ def split_fused(
         prefix, start = base.removesuffix(fused), 0
         for part, size in zip(_FUSED_IN_CHECKPOINT[fused], sizes[fused], strict=True):
             rows = torch.arange(start, start + size)
-            yield (
-                f"{prefix}{part}.{suffix}",
-                value[rows] if isinstance(value, torch.Tensor) else value.rows(rows),
-            )
+            if part in ("self_attn.q_proj", "self_attn.k_proj"):  # [heads * head_dim] rows
+                rows = rows.view(-1, shape.head_dim)[:, order].flatten()
+            yield f"{prefix}{part}.{suffix}", _rows(value, rows)
             start += size
+
+
+def _rows(value: WeightValue, rows: torch.Tensor) -> WeightValue:
+    return value[rows] if isinstance(value, torch.Tensor) else value.rows(rows)
+
+
+def _rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:  # [head_dim] dims of a head
+    """Partial rotary as the decoder's whole-head rope. transformers rotates dims i and i + r/2
+    of the first r = rotary_dim and passes the rest; the decoder pairs j and j + head_dim/2.
+    Each q and k head reordered alike (q . k unchanged) puts transformers' pairs on the decoder's
+    first pairs and the passed dims on the last ones, which `rope.Rotary` leaves unrotated.
+    The identity when every dim rotates."""
+    half, rotated = head_dim // 2, rotary_dim // 2
+    dims = torch.arange(head_dim)
+    passed = dims[2 * rotated :]  # 2 * (half - rotated) of them, split over the two halves
+    first, second = passed[: half - rotated], passed[half - rotated :]
+    return torch.cat([dims[:rotated], first, dims[rotated : 2 * rotated], second])
 
 
 __all__ = [

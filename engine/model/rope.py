@@ -25,14 +25,17 @@ class Rotary:
         device: torch.device,
         layer_type: str | None = None,  # a key of a per-layer-type rope_parameters
     ) -> None:
-        inv_freq, scaling = _inv_freq(config, head_dim, layer_type)
+        inv_freq, scaling = _inv_freq(config, head_dim, layer_type)  # [rotated pairs]
         positions = torch.arange(_rope_table_len(config), dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        signs = torch.cat((-torch.ones_like(freqs), torch.ones_like(freqs)), dim=-1)
-        self.cos = (emb.cos() * scaling).to(device)  # [max_positions, head_dim]
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotated pairs]
+        # pairs past the rotated ones pass unchanged, unscaled (partial rotary: the dims a
+        # checkpoint passes are moved onto them at load, engine.model.families)
+        passed = (len(positions), head_dim // 2 - inv_freq.numel())
+        cos = torch.cat((freqs.cos() * scaling, freqs.new_ones(passed)), dim=-1)
+        sin = torch.cat((freqs.sin() * scaling, freqs.new_zeros(passed)), dim=-1)
+        self.cos = torch.cat((cos, cos), dim=-1).to(device)  # [max_positions, head_dim]
         # sin with its first half negated: rotate_half(x) * sin == x.roll(half) * signed_sin
-        self.signed_sin = (emb.sin() * scaling * signs).to(device)
+        self.signed_sin = torch.cat((-sin, sin), dim=-1).to(device)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         cos, sin = self.cos[positions].to(dtype), self.signed_sin[positions].to(dtype)
@@ -43,6 +46,13 @@ def rope_layer_types(config: PretrainedConfig) -> tuple[str, ...]:
     """The layer types with rope parameters of their own (Gemma 3's); () for one rope."""
     params = getattr(config, "rope_parameters", None) or {}
     return tuple(sorted(k for k, v in params.items() if isinstance(v, dict)))
+
+
+def partial_rotary_factor(config: PretrainedConfig) -> float:
+    """The share of each head's dims that rotate (Phi-4-mini: 0.75; most models: all)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
+    return float(factor or 1.0)
 
 
 def rope_positions_limit(config: PretrainedConfig) -> int | None:
@@ -69,7 +79,8 @@ def _inv_freq(
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
         return inv_freq.float(), float(scaling)
     base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    dim = int(head_dim * partial_rotary_factor(config))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     return 1.0 / (base**exponents), 1.0
 
 

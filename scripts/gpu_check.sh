@@ -82,8 +82,8 @@ gpu_env() {
 
 gpu_tests() {
     # exit 0 when every selected test passed or was skipped (the dry run skips them all)
-    local files=(tests/test_gpu_cuda.py tests/test_model.py tests/test_quant.py)
-    [ "$DEVICE" = cpu ] && files=(tests/test_gpu_cuda.py)  # the dry run: collect, skip, quickly
+    local files=(tests/engine/gpu/test_gpu_cuda.py tests/engine/model/test_model.py tests/engine/model/test_quant.py)
+    [ "$DEVICE" = cpu ] && files=(tests/engine/gpu/test_gpu_cuda.py)  # the dry run: collect, skip, quickly
     "$PY" -m pytest -q -m gpu -p no:cacheprovider "${files[@]}" >"$OUT/tests.txt" 2>&1
     local rc=$?
     tail -3 "$OUT/tests.txt" >&2

@@ -120,7 +120,7 @@ def _token_hashes(vocab_size: int, device: torch.device) -> Tensor:  # [V] int32
 
 
 def _mix32(h: Tensor) -> Tensor:  # [...] int32 bits -> the same, avalanched (in place)
-    """lowbias32 on int32 tensors: products wrap mod 2**32 (tests/test_seeded.py checks the bits
+    """lowbias32 on int32 tensors: products wrap mod 2**32 (tests/engine/sample/test_seeded.py checks the bits
     against Python integers), and right shifts are made logical by masking. One scratch tensor
     serves every shift: a [R, 152k] temporary per op costs more in page faults than in work."""
     scratch = torch.empty_like(h)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("gpu_check.sh", "gpu_wheels.sh")
 STEPS = (
     "- nvidia-smi: ok", "- gpu tests: ok", "- env, kernels, pair shapes: ok", "  - env: ok",

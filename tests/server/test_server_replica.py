@@ -20,7 +20,7 @@ from server.app import create_app
 from server.metrics import VLLM_ALIASES, Metrics
 from server.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun. " * 3
 
 

@@ -1,5 +1,5 @@
 """`specserve bench`: whole runs against live servers (a fake one, the engine on tiny models);
-the dataset readers are tests/test_bench_datasets.py."""
+the dataset readers are tests/bench/test_bench_datasets.py."""
 
 from __future__ import annotations
 
@@ -384,7 +384,7 @@ def test_gpu_script_is_valid_bash_with_known_flags() -> None:
     import re
     import subprocess
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.sh"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_gpu.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")

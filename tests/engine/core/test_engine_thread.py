@@ -18,7 +18,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.model.runner import ModelRunner
 from engine.sample.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _config(model_dir: Path, **kw: object) -> EngineConfig:
@@ -83,7 +83,7 @@ def test_the_process_holds_one_openmp_pool(tiny_model_dir: Path) -> None:
     (named after it) and no thread on the caller's side: no second pool (see engine_thread)."""
     script = textwrap.dedent(f"""
         import asyncio, os, sys
-        sys.path.insert(0, {str(ROOT / "tests")!r})
+        sys.path[:0] = [{str(Path(__file__).resolve().parent)!r}, {str(ROOT / "tests")!r}]
         from test_engine_thread import _config, _generate
         from engine.core.async_engine import AsyncLLM
         def names():

@@ -22,7 +22,7 @@ from server_utils import free_port, metric_value, wait_for
 
 pytestmark = pytest.mark.router
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PREFIXES = [
     "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun. " * 4,
     "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n" * 4,

@@ -31,7 +31,7 @@ from engine.model.parallel.state import TensorParallel
 from engine.model.runner import ForwardInput, ModelRunner
 from engine.sample.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
     "for i in range(10):\n    print(i * i)\nfor i in range(10):\n    print(i",

@@ -16,7 +16,7 @@ import yaml
 from server.metrics import VLLM_ALIASES
 from server.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 TARGETS = ["base", "overlays/gpu", "overlays/inference-gateway"]
 # Custom resources kubernetes-validate has no schema for; checked field by field below.

@@ -19,7 +19,7 @@ from server_utils import FakeEngine, LiveServer, assert_error_shape, free_port, 
 from server.app import create_app
 from server.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def settings_for(model_dir: Path, **kw: Any) -> Settings:

@@ -53,7 +53,7 @@ def test_switched_off_means_not_loaded():
         env={"SPECSERVE_NATIVE_KERNELS": "0", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
         capture_output=True,
         text=True,
-        cwd=Path(__file__).parent.parent,
+        cwd=Path(__file__).parents[3],
         check=True,
     )
     assert out.stdout.strip() == "False"

@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from server import command as serve_cmd
 from server.settings import Settings, SettingsError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 DASHBOARD = ROOT / "configs" / "grafana" / "dashboards" / "specserve.json"
 

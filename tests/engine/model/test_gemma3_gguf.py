@@ -16,6 +16,7 @@ from tiny import make_tiny_model
 from transformers import AutoConfig
 
 from engine.kernels import gguf_ops
+from engine.model.gguf_config import _global_rope, _layer_types
 from engine.model.loader import load_model
 from engine.model.quant import native
 from engine.model.runner import ForwardInput, ModelRunner
@@ -159,3 +160,17 @@ def test_greedy_equals_transformers(
     ref = _reference(gguf_file, src, bf16=quantization == "none")
     want = [hf_greedy(ref, p, MAX_TOKENS) for p in _prompts()]
     assert outputs(engine, _prompts(), greedy(MAX_TOKENS)) == want
+
+
+def test_layer_pattern_and_rope_scaling_as_llama_cpp_reads_them() -> None:
+    """The window pattern as an int (each n-th layer global) or one flag a layer; rope scaling
+    linear unless named (factor from rope.scale_linear or rope.scaling.factor), another refused."""
+    local, full = "sliding_attention", "full_attention"
+    assert _layer_types(None, 7) == [local] * 5 + [full, local]
+    assert _layer_types(2, 3) == [local, full, local]
+    assert _layer_types([True, False], 2) == [local, full]
+    meta: dict[str, object] = {"gemma3.rope.freq_base": 1e6, "gemma3.rope.scaling.factor": 8.0}
+    assert _global_rope(meta, "gemma3") == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    assert _global_rope({"gemma3.rope.scale_linear": 1.0}, "gemma3")["rope_type"] == "default"
+    with pytest.raises(ValueError, match="yarn"):
+        _global_rope(meta | {"gemma3.rope.scaling.type": "yarn"}, "gemma3")

@@ -30,7 +30,7 @@ from engine.config import Quantization
 from engine.model.decoder import WeightValue
 from engine.model.families import ARCHITECTURE_OF_MODEL_TYPE, check_supported, split_fused
 from engine.model.gguf_config import gguf_config
-from engine.model.quant.for_device import quantization_for_weights
+from engine.model.quantization import quantization_for_weights
 
 _CONVERTED_DONE = "specserve-converted.json"
 

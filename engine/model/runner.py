@@ -18,11 +18,11 @@ from engine.model.decoder import DecoderModel, KVCache
 from engine.model.device import TimingMark, elapsed_seconds, start_timing, stop_timing
 from engine.model.families import build_decoder
 from engine.model.loader import LoadedModel
-from engine.model.parallel.layers import shard_decoder
-from engine.model.parallel.state import TensorParallel, tensor_parallel_for
-from engine.model.quant.model import WeightSummary, quantize_mode, summarize, swap_in_quantized
 from engine.model.quant.native import forward_chunks
+from engine.model.quantize import WeightSummary, quantize_mode, summarize, swap_in_quantized
 from engine.model.rope import rope_positions_limit
+from engine.model.sharding import shard_decoder
+from engine.model.tensor_parallel import TensorParallel, tensor_parallel_for
 
 log = logging.getLogger("specserve.engine")
 

@@ -1,5 +1,3 @@
-"""Tensor parallelism on torch.distributed: Megatron-style shards of the target model."""
-
-from engine.model.parallel.state import TensorParallel, set_tensor_parallel, tensor_parallel_for
-
-__all__ = ["TensorParallel", "set_tensor_parallel", "tensor_parallel_for"]
+"""Tensor parallelism's processes: launching the ranks (`launch`) and the other ranks' loop
+(`worker`). The shards themselves are `engine.model.sharding` (Megatron-style module swaps) and
+`engine.model.tensor_parallel` (rank state), which the model runner uses below this package."""

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.model.device import make_current
-from engine.model.parallel.state import TensorParallel, set_tensor_parallel
+from engine.model.tensor_parallel import TensorParallel, set_tensor_parallel
 
 log = logging.getLogger("specserve.parallel")
 # Ranks wait for rank 0's next step as long as the server idles: no collective timeout.

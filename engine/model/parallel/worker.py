@@ -21,8 +21,8 @@ import torch
 from engine.config import EngineConfig
 from engine.model.loader import load_model
 from engine.model.parallel.launch import init_group, rank_device
-from engine.model.parallel.state import TensorParallel, set_tensor_parallel
 from engine.model.runner import ModelRunner
+from engine.model.tensor_parallel import TensorParallel, set_tensor_parallel
 
 log = logging.getLogger("specserve.parallel")
 _OPS = ("allocate_kv_cache", "forward")

@@ -16,8 +16,8 @@ from engine.config import EngineConfig
 from engine.core import kv_sizing
 from engine.model import device as devices
 from engine.model.quant import kernels
-from engine.model.quant.for_device import quantization_for
 from engine.model.quant.formats import quantize_int4, quantize_int8
+from engine.model.quantization import quantization_for
 from engine.model.runner import ModelRunner
 from engine.spec_decode.step_cost import CostCurve, calibrate
 from server.settings import Settings, SettingsError

@@ -26,9 +26,9 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.model.decoder import DecoderShape
 from engine.model.loader import load_model
-from engine.model.parallel.layers import check_shardable, local_shape, shard_decoder
-from engine.model.parallel.state import TensorParallel
 from engine.model.runner import ForwardInput, ModelRunner
+from engine.model.sharding import check_shardable, local_shape, shard_decoder
+from engine.model.tensor_parallel import TensorParallel
 from engine.sample.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[3]

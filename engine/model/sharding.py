@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.decoder import MLP, Attention, DecoderLayer, DecoderModel, DecoderShape
-from engine.model.parallel.state import TensorParallel
+from engine.model.tensor_parallel import TensorParallel
 
 
 class RowParallelLinear(nn.Module):

@@ -15,7 +15,7 @@ from engine.core.scheduler import Scheduler
 from engine.model import device as devices
 from engine.model.eagle3 import load_eagle3_head
 from engine.model.loader import check_same_vocab, load_model
-from engine.model.quant.for_device import quantization_for
+from engine.model.quantization import quantization_for
 from engine.model.runner import ForwardInput, ModelRunner
 from engine.outputs import (
     ContextLengthError,

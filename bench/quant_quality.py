@@ -122,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--positions", type=int, default=2000, help="next-token positions to score")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--decode-kernel", action="store_true",
-                    help="gguf: every row through the native kernel (no dense prompt path)")
+    ap.add_argument(
+        "--decode-kernel",
+        action="store_true",
+        help="gguf: every row through the native kernel (no dense prompt path)",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

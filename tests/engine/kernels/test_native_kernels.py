@@ -47,7 +47,12 @@ PACKED = {
 }
 ROWS16_FORMS = [form for form in PACKED if form.endswith("_R16")]
 FORMS = [t.name for t in TYPES] + list(PACKED)
-ROWS16_VARIANTS = {"avx512vnni", "avxvnni", "avx2", "scalar"}  # those with kernels for the interleaved layouts
+ROWS16_VARIANTS = {
+    "avx512vnni",
+    "avxvnni",
+    "avx2",
+    "scalar",
+}  # those with kernels for the interleaved layouts
 
 
 def file_type(form: str) -> T:
@@ -177,7 +182,9 @@ def test_a_row_is_the_same_alone_or_in_any_batch(form: str, variant: str) -> Non
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16", "Q5_0_R16"])
+@pytest.mark.parametrize(
+    "form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16", "Q5_0_R16"]
+)
 def test_two_activation_passes(form: str, variant: str) -> None:
     """The second pass rounds what the first left: within the bound of a rounding of the
     residual (its amax / 254 per group, ~1/127 of the first's), a row the same alone or in any

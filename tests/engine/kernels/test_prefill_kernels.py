@@ -17,8 +17,20 @@ pytestmark = pytest.mark.skipif(
     reason="the native kernels did not build here",
 )
 
-FORMS = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_X", "Q4_K_R16", "Q6_K_R16",
-         "Q4_0_R16", "Q5_0_R16", "Q8_0_R16"]
+FORMS = [
+    "Q4_0",
+    "Q5_0",
+    "Q8_0",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q4_K_X",
+    "Q4_K_R16",
+    "Q6_K_R16",
+    "Q4_0_R16",
+    "Q5_0_R16",
+    "Q8_0_R16",
+]
 ISAS = ["scalar", "avx2", "avx512", ""]
 
 
@@ -26,10 +38,14 @@ def operands(form: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, int]:
     """The blocks as stored, or repacked: Q4_K_X, and the 16-row interleaved layouts (whose rows
     dequantize by groups; n = 37 leaves a tail of 5 rows stored per row)."""
     if form == "Q4_K_X":
-        return gguf_ops.pack(random_blocks(T.Q4_K, n, k, seed=seed), int(T.Q4_K), "avx512vnni", "tiles")
+        return gguf_ops.pack(
+            random_blocks(T.Q4_K, n, k, seed=seed), int(T.Q4_K), "avx512vnni", "tiles"
+        )
     if form.endswith("_R16"):
         qtype = T[form.removesuffix("_R16")]
-        return gguf_ops.pack(random_blocks(qtype, n, k, seed=seed), int(qtype), "avx512vnni", "rows16")
+        return gguf_ops.pack(
+            random_blocks(qtype, n, k, seed=seed), int(qtype), "avx512vnni", "rows16"
+        )
     return random_blocks(T[form], n, k, seed=seed), int(T[form])
 
 
@@ -59,7 +75,9 @@ def test_dequantize_bf16_is_the_float_dequantization_rounded(form: str, isa: str
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q8_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16", "Q5_0_R16"])
+@pytest.mark.parametrize(
+    "form", ["Q4_K", "Q6_K", "Q8_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16", "Q5_0_R16"]
+)
 @pytest.mark.parametrize("shape", [(1, 300, 256), (37, 97, 512), (130, 300, 1024)])
 def test_mm_bf16_against_dense_linear(form: str, isa: str, shape: tuple[int, int, int]) -> None:
     m, n, k = shape  # odd row counts, N not a multiple of the panel

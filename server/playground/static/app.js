@@ -372,6 +372,7 @@ async function send(compare) {
       reply.pair = await runInto(el, plainBody, "plain");
       showComparison(reply.stats, reply.pair.stats);
       showLive(reply.stats); // the panel shows the speculative answer; the line above, both
+      drawChart(reply.samples);
     }
     state.messages.push(reply);
   } catch (err) {
@@ -402,7 +403,7 @@ async function runInto(el, body, side) {
     const done = await streamAnswer(body, view, state.controller.signal);
     showLive(done.figures);
     drawChart(done.samples);
-    return { role: "assistant", content: done.content, spans: done.spans, stats: done.figures };
+    return { role: "assistant", content: done.content, spans: done.spans, stats: done.figures, samples: done.samples };
   } catch (err) {
     err.partial = latest; // what had arrived: kept in the conversation when stopped
     throw err;

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from engine_utils import hf_greedy
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
@@ -77,29 +77,11 @@ def _prompt_ids(loaded: LoadedModel) -> list[list[int]]:
 
 
 @torch.no_grad()
-def _hf_greedy(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(str(loaded.weights_dir), dtype=torch.float32)
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.eval().generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        outs.append(out[0, len(prompt) :].tolist())
-    return outs
-
-
 def test_greedy_equals_transformers_on_the_dequantized_weights(loaded: LoadedModel) -> None:
     """All prompts batched, prefills in chunks; 64 tokens each, every one transformers' own."""
     prompts = _prompt_ids(loaded)
     assert all(p[0] == loaded.tokenizer.bos_token_id for p in prompts)  # the file asks for <bos>
-    want = _hf_greedy(loaded, prompts)
+    want = [hf_greedy(loaded.weights_dir, p, MAX_TOKENS) for p in prompts]
     engine = LLMEngine(
         EngineConfig(
             model=f"bundled:{NAME}",

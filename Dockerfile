@@ -57,6 +57,7 @@ COPY engine ./engine
 COPY server ./server
 COPY bench ./bench
 COPY specserve ./specserve
+COPY tools ./tools
 COPY configs ./configs
 RUN pip install --no-deps . && rm -rf build *.egg-info
 

@@ -46,8 +46,8 @@ test: install
 	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile tests
 
 lint: install
-	$(BIN)/ruff check engine server tests bench specserve
-	$(BIN)/mypy engine server specserve
+	$(BIN)/ruff check engine server tests bench specserve tools
+	$(BIN)/mypy engine server specserve tools
 
 bench: install fetch-models
 	$(BIN)/specserve bench --launch $(CONFIG) --out bench-out

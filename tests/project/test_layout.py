@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "server", "bench", "specserve")
+PACKAGES = ("engine", "server", "bench", "specserve", "tools")
 MAX_LINES = 500
 
 

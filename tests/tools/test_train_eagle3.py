@@ -1,0 +1,115 @@
+"""tools.train_eagle3 end to end on the tiny target: a few seconds of training on a few hundred
+tokens of the repo's docs give a head in the public format that the engine loads and drafts with.
+
+Checked: the loss on the training data falls (seeded, so it either does or the test fails); the
+same seed gives the same losses; the saved folder loads through engine/model/eagle3.py and gives
+the training module's logits, at step 0 and at an unrolled step (the training-time test's
+attention is the drafting's); and greedy output with the head equals plain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
+
+from engine.config import SpeculativeConfig
+from engine.model.eagle3 import Eagle3Head, HeadSpan, load_eagle3_head
+from tools.eagle3_data import extract_features
+from tools.train_eagle3 import Recipe, Result, head_step, run
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def recipe(target: Path, out: Path, steps: int) -> Recipe:
+    return Recipe(
+        target=str(target),
+        out=str(out),
+        seed=0,
+        sources=(str(DOCS / "SAMPLING.md"), str(DOCS / "ARCHITECTURE.md")),
+        tokens=512,
+        seq_len=64,
+        batch=4,
+        steps=steps,
+        lr=3e-3,
+        ttt_steps=2,
+        draft_vocab=160,
+        aux_layers=(0, 1, 2),  # the tiny target has two layers: 2 is its last output
+        log_every=10,
+        save_dtype="float32",
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Eagle3Head, Result]:
+    out = tmp_path_factory.mktemp("head")
+    head, result = run(recipe(tiny_model_dir, out, steps=40))
+    return out, head, result
+
+
+def test_training_lowers_the_loss(trained: tuple[Path, Eagle3Head, Result]) -> None:
+    folder, _, result = trained
+    assert len(result.losses) == 40
+    assert result.last_eval < 0.8 * result.first_eval, (result.first_eval, result.last_eval)
+    readme = json.loads((folder / "README.json").read_text())
+    assert readme["recipe"]["seed"] == 0 and readme["steps"] == 40 and readme["tokens"] == 512
+
+
+def test_same_seed_same_losses(tiny_model_dir: Path, tmp_path: Path) -> None:
+    first = run(recipe(tiny_model_dir, tmp_path / "a", steps=3))[1].losses
+    second = run(recipe(tiny_model_dir, tmp_path / "b", steps=3))[1].losses
+    assert first == second
+
+
+def test_saved_head_gives_the_training_logits(
+    trained: tuple[Path, Eagle3Head, Result], tiny_model_dir: Path
+) -> None:
+    folder, head, _ = trained
+    model = hf_model(tiny_model_dir)
+    tokens = torch.randint(
+        3, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1)
+    )
+    aux = extract_features(model, tokens, (0, 1, 2), batch=1).aux.float()  # [1, 24, 3 * hidden]
+    loaded = load_eagle3_head(
+        str(folder),
+        head.target_embed[0],  # the embedding it trained with: the target's, in bf16
+        64,
+        model.config.vocab_size,
+        256,
+        torch.device("cpu"),
+        torch.float32,
+    )
+    m = 10  # the row compared at the unrolled step
+    nxt = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # [1, 24]: row i reads t_{i+1}
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        train0, prenorm = head_step(head, head.fuse(aux), nxt, 0, kv)
+        step2 = torch.cat([nxt[:, 1:], nxt[:, :1]], dim=1)
+        train1, _ = head_step(head, prenorm, step2, 1, kv)
+        cache = loaded.new_cache()
+        normed, own = loaded(
+            loaded.fuse(aux[0, : m + 1]), nxt[0, : m + 1], [HeadSpan(cache, 0, m + 1)]
+        )
+        serve0 = loaded.logits(normed)[:, loaded.target_ids]  # [m + 1, draft]
+        normed, _ = loaded(own[-1:], step2[0, m : m + 1], [HeadSpan(cache, m + 1, 1)])
+        serve1 = loaded.logits(normed)[:, loaded.target_ids]  # [1, draft]
+    torch.testing.assert_close(serve0, train0[0, : m + 1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(serve1, train1[0, m : m + 1], rtol=1e-4, atol=1e-4)
+
+
+def test_engine_with_trained_head_equals_plain(
+    trained: tuple[Path, Eagle3Head, Result], tiny_model_dir: Path
+) -> None:
+    folder = trained[0]
+    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=3, draft_model=str(folder))
+    engine = make_engine(tiny_model_dir, speculative=spec)
+    prompts = random_prompts(4, (5, 20), hf_model(tiny_model_dir).config.vocab_size, seed=3)
+    want = outputs(make_engine(tiny_model_dir), prompts, greedy(16))
+    seqs = engine.generate(prompts, greedy(16))
+    assert [s.output_token_ids for s in seqs] == want
+    assert sum(s.spec.num_draft_tokens for s in seqs) > 0  # the head drafted

@@ -1,0 +1,330 @@
+"""Train an EAGLE-3 head for a target and write it in the public format (engine/model/eagle3.py).
+
+    python -m tools.train_eagle3 --target bundled:qwen2.5-coder-1.5b-instruct --out heads/qwen \
+        --tokens 20000 --max-minutes 15
+
+The head is the module the engine serves (`Eagle3Head`), so what is trained is what loads: its
+state_dict is the format's names. Training follows EAGLE-3's training-time test in a simple form:
+step 0 predicts, at each position i, the target's greedy token after t_{i+1} from the target's
+fused features h_i; each of `--ttt-steps` further steps feeds the head's own output back one
+position further, as drafting does, and is scored against the target's greedy token there. The
+loss is cross-entropy to that token over the draft vocabulary (positions whose token it lacks are
+skipped), step j weighted 0.8^j as EAGLE-3 does. Everything random follows `--seed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from engine.model.decoder import RMSNorm
+from engine.model.eagle3 import Eagle3Config, Eagle3Head
+from engine.model.loader import load_model
+from engine.model.rope import Rotary, apply_rope
+from tools.eagle3_data import (
+    Features,
+    default_sources,
+    draft_vocabulary,
+    extract_features,
+    sample_texts,
+    token_chunks,
+)
+
+STEP_DECAY = 0.8  # EAGLE-3's weight of the j-th unrolled step: later drafts matter less
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Recipe:
+    target: str
+    out: str
+    seed: int = 0
+    sources: tuple[str, ...] = ()  # files or folders of text; () the default (code and docs)
+    tokens: int = 20_000
+    per_file: int = 2048
+    seq_len: int = 512
+    batch: int = 4
+    steps: int = 1000  # optimizer steps at most
+    max_minutes: float = 15.0
+    lr: float = 1e-3
+    ttt_steps: int = 3
+    draft_vocab: int = 8192
+    intermediate_size: int = 0  # 0: the target's
+    aux_layers: tuple[int, ...] = ()  # (): vLLM's default (2, L // 2, L - 3)
+    log_every: int = 10
+    save_dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class Result:
+    losses: list[float]  # the training loss of every step
+    first_eval: float  # the loss over all the training data before training and after
+    last_eval: float
+    seconds: float
+
+
+def head_config(target: dict, recipe: Recipe, layer_ids: tuple[int, ...], draft: int) -> dict:
+    """config.json of the head: a Llama layer of the target's sizes, the format's fields."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": target["hidden_size"],
+        "intermediate_size": recipe.intermediate_size or target["intermediate_size"],
+        "num_attention_heads": target["num_attention_heads"],
+        "num_key_value_heads": target.get("num_key_value_heads") or target["num_attention_heads"],
+        "head_dim": target.get("head_dim")
+        or target["hidden_size"] // target["num_attention_heads"],
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
+        "rope_theta": target.get("rope_theta", 10000.0),
+        "max_position_embeddings": target["max_position_embeddings"],
+        "vocab_size": target["vocab_size"],
+        "draft_vocab_size": draft,
+        "target_hidden_size": target["hidden_size"],
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)},
+    }
+
+
+def new_head(config: Eagle3Config, embed: torch.Tensor, seed: int) -> Eagle3Head:
+    """A freshly initialised head over the target's (frozen) embedding, float32 for AdamW."""
+    torch.manual_seed(seed)
+    rotary = Rotary(
+        config.rope_config(config.raw["max_position_embeddings"]),
+        config.head_dim,
+        torch.device("cpu"),
+    )
+    head = Eagle3Head(config, nn.Embedding.from_pretrained(embed), rotary, own_embed=False)
+    for module in head.modules():
+        if isinstance(module, RMSNorm):  # the norms start as the identity
+            nn.init.ones_(module.weight)
+    return head
+
+
+def _attention(
+    head: Eagle3Head,
+    x: torch.Tensor,  # [B, T, 2 * hidden]: this step's rows, row i at position i + step
+    step: int,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],  # earlier steps' keys, values [B, T, kv, d]
+) -> torch.Tensor:  # [B, T, hidden]
+    """Row i of step j sees step 0's keys of positions [0, i] (the target's features, as after a
+    catch-up) and its own keys of steps 1..j (the drafts written at i + 1 .. i + j)."""
+    attn, c = head.midlayer.self_attn, head.config
+    b, t, _ = x.shape
+    cos, sin = head.rotary.tables(torch.arange(t) + step, x.dtype)  # [T, 1, d]
+    q = apply_rope(attn.q_proj(x).view(b, t, c.num_heads, c.head_dim), cos, sin)
+    k = apply_rope(attn.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim), cos, sin)
+    kv.append((k, attn.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim)))
+    group = c.num_heads // c.num_kv_heads
+    keys = [k.repeat_interleave(group, dim=2) for k, _ in kv]  # [B, T, heads, d] each
+    values = [v.repeat_interleave(group, dim=2) for _, v in kv]
+    scale = c.head_dim**-0.5
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    past = torch.einsum("bihd,bjhd->bhij", q, keys[0]) * scale  # [B, heads, T, T]
+    past = past.masked_fill(~causal, -float("inf"))
+    own = [(q * k).sum(-1).transpose(1, 2)[..., None] * scale for k in keys[1:]]  # [B, h, T, 1]
+    probs = torch.cat([past, *own], dim=-1).float().softmax(-1).to(q.dtype)
+    out = torch.einsum("bhij,bjhd->bihd", probs[..., :t], values[0])
+    for s, v in enumerate(values[1:]):
+        out = out + probs[..., t + s].transpose(1, 2)[..., None] * v
+    return attn.o_proj(out.reshape(b, t, c.num_heads * c.head_dim))
+
+
+def head_step(
+    head: Eagle3Head,
+    hidden: torch.Tensor,  # [B, T, hidden]: fused features (step 0) or the head's prenorm
+    tokens: torch.Tensor,  # [B, T]: the token after each row's position
+    step: int,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:  # draft-vocabulary logits [B, T, draft], prenorm
+    """`Eagle3Head.forward` for a batch of whole sequences at one unrolled step."""
+    layer, c = head.midlayer, head.config
+    h = layer.hidden_norm(hidden)
+    residual = h if c.norm_before_residual else hidden
+    x = torch.cat([layer.input_layernorm(head.embed(tokens)), h], dim=-1)
+    residual = residual + _attention(head, x, step, kv)
+    residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
+    return head.lm_head(head.norm(residual)), residual
+
+
+def _shift(x: torch.Tensor, by: int, fill: int) -> torch.Tensor:  # [B, T] -> [B, T]: x[:, i+by]
+    return torch.cat([x[:, by:], x.new_full((x.shape[0], by), fill)], dim=1)
+
+
+def ttt_loss(
+    head: Eagle3Head,
+    aux: torch.Tensor,  # [B, T, 3 * target_hidden]
+    tokens: torch.Tensor,  # [B, T]
+    labels: torch.Tensor,  # [B, T]: the target's greedy pick at each position, as a draft id
+    ttt_steps: int,
+) -> torch.Tensor:
+    """Row i of step j sits at position i + j, reads token t_{i+j+1} and must give the target's
+    pick after it (labels[i + j + 1])."""
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hidden, total, weights = head.fuse(aux), aux.new_zeros((), dtype=torch.float32), 0.0
+    for step in range(ttt_steps + 1):
+        logits, hidden = head_step(head, hidden, _shift(tokens, step + 1, 0), step, kv)
+        target = _shift(labels, step + 1, IGNORE)
+        if (target != IGNORE).any():
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE
+            )
+            total, weights = total + STEP_DECAY**step * loss, weights + STEP_DECAY**step
+    return total / weights
+
+
+def draft_labels(greedy: torch.Tensor, draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Target ids to draft ids, IGNORE where the draft vocabulary lacks the id."""
+    to_draft = torch.full((vocab,), IGNORE, dtype=torch.long)
+    to_draft[draft_ids] = torch.arange(draft_ids.numel())
+    return to_draft[greedy]
+
+
+def evaluate(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Recipe) -> float:
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = [
+            ttt_loss(
+                head,
+                data.aux[i : i + recipe.batch],
+                data.tokens[i : i + recipe.batch],
+                labels[i : i + recipe.batch],
+                recipe.ttt_steps,
+            ).item()
+            for i in range(0, data.tokens.shape[0], recipe.batch)
+        ]
+    return sum(losses) / len(losses)
+
+
+def train(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Recipe) -> Result:
+    """AdamW over seeded batches of chunks until `steps` or the time budget, bf16 autocast."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))  # warm-up
+    gen = torch.Generator().manual_seed(recipe.seed)
+    first, losses, start = evaluate(head, data, labels, recipe), [], time.monotonic()
+    num = data.tokens.shape[0]
+    order = torch.randperm(num, generator=gen)
+    for step in range(recipe.steps):
+        if time.monotonic() - start > 60 * recipe.max_minutes:
+            print(f"time budget reached after {step} steps", flush=True)
+            break
+        if (step + 1) * recipe.batch > order.numel():
+            order = torch.cat([order, torch.randperm(num, generator=gen)])
+        rows = order[step * recipe.batch : (step + 1) * recipe.batch]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ttt_loss(head, data.aux[rows], data.tokens[rows], labels[rows], recipe.ttt_steps)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if (step + 1) % recipe.log_every == 0:
+            recent = losses[-recipe.log_every :]
+            print(
+                f"step {step + 1}: loss {sum(recent) / len(recent):.3f} "
+                f"({time.monotonic() - start:.0f} s)",
+                flush=True,
+            )
+    seconds = time.monotonic() - start
+    return Result(losses, first, evaluate(head, data, labels, recipe), seconds)
+
+
+def save_head(head: Eagle3Head, folder: Path, draft_ids: torch.Tensor, dtype: torch.dtype) -> None:
+    """model.safetensors beside the config.json already there: the format's names, d2t, t2d."""
+    weights = {n: t.detach().to(dtype).contiguous() for n, t in head.state_dict().items()}
+    weights.pop("embed_tokens.weight", None)
+    weights["d2t"] = draft_ids - torch.arange(draft_ids.numel())
+    weights["t2d"] = torch.zeros(head.config.vocab_size, dtype=torch.bool).index_fill(
+        0, draft_ids, True
+    )
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+def run(recipe: Recipe) -> tuple[Eagle3Head, Result]:
+    """Features, draft vocabulary, head, training, the folder: the whole job."""
+    torch.manual_seed(recipe.seed)
+    wall = time.monotonic()
+    loaded = load_model(recipe.target, "none")
+    target = loaded.hf_config.to_dict()
+    depth = target["num_hidden_layers"]
+    layer_ids = tuple(sorted(recipe.aux_layers or (2, depth // 2, depth - 3)))
+    sources = [Path(s) for s in recipe.sources] or default_sources()
+    chunks, files = token_chunks(
+        loaded.tokenizer,
+        sample_texts(sources, recipe.seed),
+        recipe.seq_len,
+        recipe.tokens,
+        recipe.per_file,
+    )
+    print(
+        f"{chunks.numel()} tokens from {len(files)} files; features at layers {layer_ids}",
+        flush=True,
+    )
+    model: Any = AutoModelForCausalLM.from_pretrained(str(loaded.weights_dir), dtype=torch.bfloat16)
+    data = extract_features(model.eval(), chunks, layer_ids, recipe.batch)
+    embed = model.get_input_embeddings().weight.detach().float()
+    del model
+    stops = [loaded.tokenizer.eos_token_id, *_as_list(target.get("eos_token_id"))]
+    draft_ids = draft_vocabulary(data.greedy, recipe.draft_vocab, target["vocab_size"], stops)
+    folder = Path(recipe.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = head_config(target, recipe, layer_ids, draft_ids.numel())
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    head = new_head(Eagle3Config.read(folder), embed, recipe.seed)
+    labels = draft_labels(data.greedy, draft_ids, target["vocab_size"])
+    print(
+        f"draft vocabulary {draft_ids.numel()} covers {(labels != IGNORE).float().mean():.1%} "
+        f"of the target's picks",
+        flush=True,
+    )
+    result = train(head, data, labels, recipe)
+    save_head(head, folder, draft_ids, getattr(torch, recipe.save_dtype))
+    readme = {
+        "recipe": asdict(recipe),
+        "tokens": chunks.numel(),
+        "files": len(files),
+        "aux_layers": layer_ids,
+        "steps": len(result.losses),
+        "first_eval_loss": result.first_eval,
+        "last_eval_loss": result.last_eval,
+        "train_seconds": round(result.seconds, 1),
+        "wall_seconds": round(time.monotonic() - wall, 1),
+    }
+    (folder / "README.json").write_text(json.dumps(readme, indent=2))
+    print(f"loss {result.first_eval:.3f} -> {result.last_eval:.3f}; wrote {folder}", flush=True)
+    return head, result
+
+
+def _as_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+
+def parse(argv: list[str] | None = None) -> Recipe:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="a folder, a .gguf or bundled:NAME")
+    p.add_argument("--out", required=True, help="the head's folder")
+    p.add_argument("--sources", nargs="*", default=[], help="text files or folders")
+    p.add_argument("--aux-layers", type=int, nargs=3, default=[])
+    defaults = Recipe("", "")
+    for name, value in asdict(defaults).items():
+        if isinstance(value, int | float | str) and name not in ("target", "out"):
+            p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = vars(p.parse_args(argv))
+    args["sources"], args["aux_layers"] = tuple(args["sources"]), tuple(args["aux_layers"])
+    return Recipe(**args)
+
+
+if __name__ == "__main__":
+    run(parse())

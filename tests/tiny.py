@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -77,6 +78,7 @@ _FAMILIES: dict[str, type[PretrainedConfig]] = {
     "mistral": MistralConfig,
     "gemma3": Gemma3TextConfig,
     "phi3": Phi3Config,
+    "granite": GraniteConfig,
 }
 
 

@@ -1,10 +1,13 @@
-"""The decoder-only family: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM, Gemma 3, Phi-3/4.
+"""The decoder-only family: Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM 1-3, Gemma 3, Phi-3/4,
+Granite.
 
 One module covers them all: RMSNorm, RoPE (engine.model.rope), grouped-query attention with
 optional QKV bias (Qwen2) and q/k RMSNorm (Qwen3, Gemma 3), a gated MLP, tied or untied
 embeddings. Gemma 3 is the same decoder with switches on (`DecoderShape`): norms that scale by
 1 + weight, a GeGLU MLP, a norm after each sublayer too, scaled embeddings, its own attention
-scale, and local layers with a sliding window and a rope of their own. It runs over a flat
+scale, and local layers with a sliding window and a rope of their own. Granite scales the
+embeddings, the attention, each sublayer's output and the logits by constants of its config.
+It runs over a flat
 ragged batch (`input_ids [T]`, `positions [T]`) with paged KV caches described by one
 `AttentionMetadata`.
 """
@@ -12,7 +15,6 @@ ragged batch (`input_ids [T]`, `positions [T]`) with paged KV caches described b
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Protocol, Union, cast
 
@@ -25,6 +27,7 @@ from engine.kernels import fused_ops
 from engine.model.attention import AttentionMetadata, attend, paged_attention
 from engine.model.quant.formats import QuantizedWeight
 from engine.model.rope import Rope, Rotary, apply_rope, rope_layer_types
+from engine.model.shape import DecoderShape
 
 if TYPE_CHECKING:
     from engine.model.quant.gguf_weights import GgufRows
@@ -32,68 +35,6 @@ if TYPE_CHECKING:
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [kv_heads, num_blocks, block_size, dim]
 # a checkpoint tensor, or a GGUF's quantized one (engine.model.quant): kept quantized, or left in the file
 WeightValue = Union[torch.Tensor, QuantizedWeight, "GgufRows"]
-
-
-@dataclass(frozen=True)
-class DecoderShape:
-    """The sizes the module needs, read once from a transformers config."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    qkv_bias: bool
-    o_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    # Gemma's switches (engine.model.families sets them); the defaults are Llama's
-    norm_offset: bool = False  # RMSNorm scales by 1 + weight, in float32, rounding once
-    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
-    sandwich_norms: bool = False  # a norm after each sublayer too, before the residual add
-    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
-    query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power
-    sliding_window: int | None = None  # the "sliding_attention" layers' window
-    layer_types: tuple[str, ...] = ()  # "sliding_attention" / "full_attention" each; (): all full
-
-    @classmethod
-    def from_config(
-        cls, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool
-    ) -> DecoderShape:
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            qk_norm=qk_norm,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def attention_scale(self) -> float:
-        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
-
-    def is_sliding(self, layer: int) -> bool:
-        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
 
 class RMSNorm(nn.Module):
@@ -233,6 +174,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = partial(RMSNorm, shape.hidden_size, shape.rms_norm_eps, shape.norm_offset)
         self.sliding = shape.is_sliding(index)
+        self.residual_multiplier = shape.residual_multiplier
         self.input_layernorm = norm()
         self.self_attn = Attention(shape, self.sliding)
         # Llama's: the MLP's norm; with sandwich norms (Gemma's), the attention output's
@@ -256,13 +198,24 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm.add_forward(
             x, residual, gemm_input_dtype(attn.qkv_proj, dtype)
         )
-        x = attn(h, rope, kv_cache, meta)
+        x = self._scaled(attn(h, rope, kv_cache, meta), dtype)
         if self.pre_feedforward_layernorm is not None:
             return self._sandwich_mlp(x, residual, dtype)
         h, residual = self.post_attention_layernorm.add_forward(
             x, residual, gemm_input_dtype(mlp.gate_up_proj, dtype)
         )
-        return mlp(h, dtype), residual
+        return self._scaled(mlp(h, dtype), dtype), residual
+
+    def _scaled(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: a sublayer's output (float32 before rounding)
+        dtype: torch.dtype,  # the model's
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """Granite's residual_multiplier, on the output rounded to the model dtype as
+        transformers has it; other families' outputs pass untouched (and unrounded)."""
+        if self.residual_multiplier == 1.0:
+            return x
+        return x.to(dtype) * self.residual_multiplier
 
     def _sandwich_mlp(
         self,
@@ -380,6 +333,8 @@ class DecoderModel(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         x = self.embed_tokens(input_ids)
+        if self.shape.embedding_multiplier != 1.0:  # Granite's, a Python float as transformers'
+            x = x * self.shape.embedding_multiplier
         if self.shape.embed_scale is None:
             return x
         # in the table's dtype, as transformers does: sqrt(3072) becomes 55.5 in bfloat16
@@ -410,11 +365,16 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
         if self.lm_head is not None:
-            logits = self.lm_head(hidden).float()  # [N, head_rows + len(head_extra)]
+            logits = self._unscaled(self.lm_head(hidden))  # [N, head_rows + len(head_extra)]
             return logits if self.head_rows == self.shape.vocab_size else self._spread(logits)
         if isinstance(self.embed_tokens, nn.Embedding):
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.embed_tokens.attend(hidden).float()  # a quantized table as the tied head
+            return self._unscaled(F.linear(hidden, self.embed_tokens.weight))
+        return self._unscaled(self.embed_tokens.attend(hidden))  # a quantized table as the head
+
+    def _unscaled(self, logits: torch.Tensor) -> torch.Tensor:  # [N, scored] -> float32
+        """Granite's logits_scaling, divided in the head's dtype before float32 as transformers."""
+        scaling = self.shape.logits_scaling
+        return (logits if scaling == 1.0 else logits / scaling).float()
 
     def _spread(self, logits: torch.Tensor) -> torch.Tensor:  # [N, scored] -> [N, V], -inf filled
         out = logits.new_full((logits.shape[0], self.shape.vocab_size), -float("inf"))

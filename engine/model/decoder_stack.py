@@ -7,10 +7,12 @@ and torch's dispatcher (module calls, kernel selection, casts, views): ~3.5 ms o
 
 It applies where every one of them would run natively anyway: a CPU model whose linear layers
 are all GGUF blocks on the native kernels (`quantization: gguf`), no tensor parallelism, no q/k
-norm nor any of Gemma's switches, and a forward of short queries only (decodes and verify
-queries, `AttentionMetadata.short_only`) in a dtype the fused ops and the attention kernel take. Prompt chunks, other
-devices, compiled graphs and forwards where a chunk would take the dense prefill GEMM keep the
-Python loop. `SPECSERVE_DECODER_STACK=0` turns it off.
+norm nor any of Gemma's switches, no residual multiplier
+(Granite's; its other constants act outside the layers, or are the attention scale it is given),
+and a forward of short queries only (decodes and verify queries, `AttentionMetadata.short_only`)
+in a dtype the fused ops and the attention kernel take. Prompt chunks, other devices, compiled
+graphs and forwards where a chunk would take the dense prefill GEMM keep the Python loop.
+`SPECSERVE_DECODER_STACK=0` turns it off.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class NativeStack:
         self.dtype = model.norm.weight.dtype
         self.stack = torch.classes.specserve_kernels.DecoderStack(
             tensors, layout, model.norm.weight, s.rms_norm_eps, s.num_heads, s.num_kv_heads,
-            s.head_dim, s.head_dim**-0.5,
+            s.head_dim, s.attention_scale,
         )  # fmt: skip
 
     def accepts(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -72,8 +74,10 @@ class NativeStack:
 def build(model: DecoderModel) -> NativeStack | None:
     """The native stack for a loaded model, or None where it does not apply."""
     s = model.shape
-    if not (ENABLED and _library_has_stack()) or s.qk_norm or s.norm_offset or s.layer_types:
+    if not (ENABLED and _library_has_stack()) or s.qk_norm or s.norm_offset:
         return None  # layers.cpp has Llama's layer only: no q/k norms, Gemma's norms or windows
+    if s.layer_types or s.residual_multiplier != 1.0:
+        return None  # nor layers of two kinds (Gemma 3) or Granite's residual scaling
     if model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (
         torch.float32,
         torch.bfloat16,

@@ -3,8 +3,9 @@
 Every family is a configuration of the one decoder (engine.model.decoder): `build_decoder`
 reads a transformers config into a `DecoderShape`, whose switches say where a family departs
 from Llama (QKV bias, q/k norms, Gemma's offset norms, GeGLU, sandwich norms, scaled
-embeddings, sliding-window layers). Phi-3/Phi-4 is Llama's layer as it is; only its checkpoint
-differs, with q/k/v and gate/up already fused and (Phi-4-mini) a partial rotary (`split_fused`).
+embeddings, sliding-window layers; Granite's multipliers).
+Phi-3/Phi-4 is Llama's layer as it is; only its checkpoint differs, with q/k/v and gate/up
+already fused and (Phi-4-mini) a partial rotary (`split_fused`).
 A config asking for something the decoder does not do is refused here, by name, rather than
 served inexactly.
 """
@@ -17,8 +18,9 @@ from dataclasses import replace
 import torch
 from transformers import PretrainedConfig
 
-from engine.model.decoder import DecoderModel, DecoderShape, WeightValue
+from engine.model.decoder import DecoderModel, WeightValue
 from engine.model.rope import partial_rotary_factor
+from engine.model.shape import DecoderShape
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -27,6 +29,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    "GraniteForCausalLM",
 )
 
 # model_type -> architecture, for configs (e.g. from GGUF) that do not name one
@@ -37,6 +40,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 _GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -65,7 +69,20 @@ def build_decoder(architecture: str, config: PretrainedConfig) -> DecoderModel:
     shape = DecoderShape.from_config(
         config, qkv_bias=qkv_bias, o_bias=attention_bias, qk_norm=qk_norm
     )
+    if architecture == "GraniteForCausalLM":
+        shape = _granite_switches(config, shape)
     return DecoderModel(shape)
+
+
+def _granite_switches(config: PretrainedConfig, shape: DecoderShape) -> DecoderShape:
+    """Granite: Llama's layer with four constants of its config (transformers' defaults 1.0)."""
+    return replace(
+        shape,
+        embedding_multiplier=float(config.embedding_multiplier),
+        attention_multiplier=float(config.attention_multiplier),
+        residual_multiplier=float(config.residual_multiplier),
+        logits_scaling=float(config.logits_scaling),
+    )
 
 
 def _gemma3_shape(config: PretrainedConfig) -> DecoderShape:

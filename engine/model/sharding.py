@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.decoder import MLP, Attention, DecoderLayer, DecoderModel, DecoderShape
+from engine.model.decoder import MLP, Attention, DecoderLayer, DecoderModel
+from engine.model.shape import DecoderShape
 from engine.model.tensor_parallel import TensorParallel
 
 

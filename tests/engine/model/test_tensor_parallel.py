@@ -24,9 +24,9 @@ from tiny import make_tiny_model
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
-from engine.model.decoder import DecoderShape
 from engine.model.loader import load_model
 from engine.model.runner import ForwardInput, ModelRunner
+from engine.model.shape import DecoderShape
 from engine.model.sharding import check_shardable, local_shape, shard_decoder
 from engine.model.tensor_parallel import TensorParallel
 from engine.sample.sampling_params import SamplingParams
@@ -92,16 +92,22 @@ class ThreadTP(TensorParallel):
 
 # Gemma 3: a local layer whose window (8) the 20-token prompt passes, then a global one
 GEMMA3 = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+# the switches other families turn on: Granite's multipliers
+CONFIGS: dict[str, dict[str, Any]] = {
+    "gemma3": GEMMA3,
+    "granite": dict(embedding_multiplier=6.0, attention_multiplier=0.1, residual_multiplier=0.5,
+                    logits_scaling=2.0),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gemma3", "phi3", "granite"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_shards_reproduce_the_whole_model(
     family: str, world_size: int, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """TP 2 splits the 2 KV heads; TP 4 replicates each on two ranks. Every rank ends with the
     unsharded logits (prefill of two requests, then a decode step over the cached prefix)."""
-    config: dict[str, Any] = GEMMA3 if family == "gemma3" else {}
+    config = CONFIGS.get(family, {})
     model_dir = make_tiny_model(tmp_path_factory.mktemp(family), family=family, seed=5, **config)
     steps = [
         [ForwardInput(list(range(5, 25)), 0, [0, 1], 20), ForwardInput([7, 8, 9], 0, [2], 3)],

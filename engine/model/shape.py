@@ -1,0 +1,78 @@
+"""`DecoderShape`: the sizes and switches of the one decoder (engine.model.decoder), read once
+from a transformers config. A family is a shape: its switches say where it departs from Llama,
+and their defaults are Llama's (engine.model.families sets them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes the module needs, read once from a transformers config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    # Gemma's switches
+    norm_offset: bool = False  # RMSNorm scales by 1 + weight, in float32, rounding once
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    sandwich_norms: bool = False  # a norm after each sublayer too, before the residual add
+    embed_scale: float | None = None  # embeddings times this, rounded first (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power
+    sliding_window: int | None = None  # the "sliding_attention" layers' window
+    layer_types: tuple[str, ...] = ()  # "sliding_attention" / "full_attention" each; (): all full
+    # Granite's multipliers, each a Python float on the model dtype's tensor as transformers has it
+    embedding_multiplier: float = 1.0  # embeddings times this
+    attention_multiplier: float | None = None  # the attention scale itself (None: head_dim's)
+    residual_multiplier: float = 1.0  # each sublayer's output times this as it joins the stream
+    logits_scaling: float = 1.0  # the head's logits divided by this
+
+    @classmethod
+    def from_config(
+        cls, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> DecoderShape:
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=qk_norm,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"

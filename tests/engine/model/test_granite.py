@@ -1,0 +1,124 @@
+"""Granite (GraniteForCausalLM) served exactly: Llama's layer with four constants of its config,
+embeddings times `embedding_multiplier`, `attention_multiplier` as the attention scale, each
+sublayer's output times `residual_multiplier` as it joins the stream, logits divided by
+`logits_scaling`; against transformers' own Granite on tiny random models in float32."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
+from tiny import make_tiny_model
+
+from engine.config import SpeculativeConfig
+from engine.model.families import build_decoder
+from engine.model.loader import LoadedModel, load_model
+from engine.model.runner import ForwardInput, ModelRunner
+
+# each far from 1.0 (and the scale from head_dim 16's 0.25), so that dropping one shows
+MULTIPLIERS = dict(
+    embedding_multiplier=6.0, attention_multiplier=0.1, residual_multiplier=0.5, logits_scaling=2.0
+)
+GRANITE = dict(family="granite", num_layers=3, **MULTIPLIERS)
+ATOL = 1e-4
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def granite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("granite"), seed=0, **GRANITE)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-layer Granite draft, other weights (seed 1), its head tied to the embeddings."""
+    draft = GRANITE | dict(num_layers=1, tie_word_embeddings=True)
+    return make_tiny_model(tmp_path_factory.mktemp("granite-draft"), seed=1, **draft)  # type: ignore[arg-type]
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return random_prompts(1, (n, n), 300, seed)[0]
+
+
+def _chunked(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:  # [len(ids), V]
+    """Prompt chunks, a 4-token verify query and single decodes, through shuffled blocks."""
+    runner, table = ModelRunner(loaded, "cpu", "float32", 4), list(range(47, -1, -1))
+    runner.allocate_kv_cache(48)
+    outs, pos = [], 0
+    for size in (7, 1, 4, 20, 1, 100):
+        chunk = ids[pos : pos + size]
+        if chunk:
+            outs.append(runner.forward([ForwardInput(chunk, pos, table, len(chunk))]))
+        pos += len(chunk)
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def _reference(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    return hf_model(model_dir)(torch.tensor([ids])).logits[0].float()
+
+
+def _max_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    assert ours.shape == ref.shape
+    return (ours - ref).abs().max().item()
+
+
+def test_granite_is_llamas_layer_with_its_multipliers(granite_dir: Path) -> None:
+    loaded = load_model(str(granite_dir))
+    assert loaded.architecture == "GraniteForCausalLM"
+    shape = build_decoder(loaded.architecture, loaded.hf_config).shape
+    assert (shape.embedding_multiplier, shape.attention_multiplier) == (6.0, 0.1)
+    assert (shape.residual_multiplier, shape.logits_scaling) == (0.5, 2.0)
+    assert shape.attention_scale == 0.1 and not shape.layer_types
+    assert not (shape.qkv_bias or shape.qk_norm or shape.norm_offset or shape.sandwich_norms)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_match_transformers(tied: bool, granite_dir: Path, tmp_path: Path) -> None:
+    model_dir = granite_dir
+    if tied:  # the tied head divides by logits_scaling too
+        model_dir = make_tiny_model(tmp_path / "tied", seed=3, **GRANITE, tie_word_embeddings=True)  # type: ignore[arg-type]
+    loaded = load_model(str(model_dir))
+    for seed, n in ((1, 40), (2, 13), (3, 33)):
+        ids = _ids(n, seed)
+        diff = _max_diff(_chunked(loaded, ids), _reference(model_dir, ids))
+        assert diff < ATOL, f"max abs diff {diff}"
+
+
+@pytest.mark.parametrize("name", sorted(MULTIPLIERS))
+def test_each_multiplier_matters(name: str, granite_dir: Path) -> None:
+    """The same weights with one constant at its default give other logits: the test above
+    would see a multiplier the decoder dropped."""
+    loaded, ids = load_model(str(granite_dir)), _ids(20, seed=4)
+    plain = load_model(str(granite_dir)).hf_config
+    setattr(plain, name, 1.0)
+    diff = _max_diff(_chunked(replace(loaded, hf_config=plain), ids), _reference(granite_dir, ids))
+    assert diff > 1e-2
+
+
+@cache
+def _hf_outputs(model_dir: Path) -> list[list[int]]:
+    return [hf_greedy(model_dir, p, MAX_TOKENS) for p in _prompts()]
+
+
+def _prompts() -> list[list[int]]:
+    repeats = [p * 3 for p in random_prompts(2, (4, 8), 300, seed=9)]  # n-gram matches
+    return random_prompts(4, (3, 30), 300, seed=7) + repeats
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft"])
+def test_greedy_equals_transformers(kind: str, granite_dir: Path, draft_dir: Path) -> None:
+    """Six requests batched, prompts in chunks of at most 9 tokens, with and without speculation."""
+    spec = {
+        "none": SpeculativeConfig(),
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
+        "draft": SpeculativeConfig(
+            method="draft", num_speculative_tokens=3, draft_model=str(draft_dir), adaptive=False
+        ),
+    }[kind]
+    engine = make_engine(granite_dir, speculative=spec, max_num_batched_tokens=9)
+    assert outputs(engine, _prompts(), greedy(MAX_TOKENS)) == _hf_outputs(granite_dir)

@@ -18,6 +18,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 
 EOS = "<|endoftext|>"
@@ -79,6 +80,7 @@ _FAMILIES: dict[str, type[PretrainedConfig]] = {
     "gemma3": Gemma3TextConfig,
     "phi3": Phi3Config,
     "granite": GraniteConfig,
+    "smollm3": SmolLM3Config,
 }
 
 
@@ -95,9 +97,9 @@ def tiny_config(
     tie_word_embeddings: bool | None = None,
     **overrides: Any,
 ) -> PretrainedConfig:
-    """A small config of the family; tied embeddings by default for qwen2/qwen3/gemma3."""
+    """A small config of the family; tied embeddings by default for qwen2/qwen3/gemma3/smollm3."""
     if tie_word_embeddings is None:
-        tie_word_embeddings = family in ("qwen2", "qwen3", "gemma3")
+        tie_word_embeddings = family in ("qwen2", "qwen3", "gemma3", "smollm3")
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

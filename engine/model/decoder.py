@@ -6,8 +6,8 @@ optional QKV bias (Qwen2) and q/k RMSNorm (Qwen3, Gemma 3), a gated MLP, tied or
 embeddings. Gemma 3 is the same decoder with switches on (`DecoderShape`): norms that scale by
 1 + weight, a GeGLU MLP, a norm after each sublayer too, scaled embeddings, its own attention
 scale, and local layers with a sliding window and a rope of their own. Granite scales the
-embeddings, the attention, each sublayer's output and the logits by constants of its config.
-It runs over a flat
+embeddings, the attention, each sublayer's output and the logits by constants of its config;
+SmolLM3 leaves some layers unrotated (NoPE). It runs over a flat
 ragged batch (`input_ids [T]`, `positions [T]`) with paged KV caches described by one
 `AttentionMetadata`.
 """
@@ -110,10 +110,11 @@ def gemm_unrounded(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [M, i
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: DecoderShape, sliding: bool = False) -> None:
+    def __init__(self, shape: DecoderShape, sliding: bool = False, rotates: bool = True) -> None:
         super().__init__()
         self.shape = shape
         self.sliding = sliding  # reads the forward through `meta.sliding`: keys in its window
+        self.rotates = rotates  # False: no rotary embedding (SmolLM3's NoPE layers)
         out = shape.q_size + 2 * shape.kv_size
         self.qkv_proj = nn.Linear(shape.hidden_size, out, bias=shape.qkv_bias)
         # nn.Module: quantization and tensor parallelism swap the row-parallel projections
@@ -134,6 +135,8 @@ class Attention(nn.Module):
         if self.sliding:
             assert meta.sliding is not None, "a sliding-window model's metadata lacks its window"
             meta = meta.sliding
+        if not self.rotates:  # cos 1, sin 0: q and k pass unchanged, exactly, on either path
+            rope = (torch.ones_like(rope[0]), torch.zeros_like(rope[1]))
         qk, v = self.qkv_proj(x).split([s.q_size + s.kv_size, s.kv_size], dim=-1)
         qk = qk.view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
@@ -176,7 +179,7 @@ class DecoderLayer(nn.Module):
         self.sliding = shape.is_sliding(index)
         self.residual_multiplier = shape.residual_multiplier
         self.input_layernorm = norm()
-        self.self_attn = Attention(shape, self.sliding)
+        self.self_attn = Attention(shape, self.sliding, shape.rotates(index))
         # Llama's: the MLP's norm; with sandwich norms (Gemma's), the attention output's
         self.post_attention_layernorm = norm()
         self.mlp = MLP(shape)

@@ -7,7 +7,7 @@ and torch's dispatcher (module calls, kernel selection, casts, views): ~3.5 ms o
 
 It applies where every one of them would run natively anyway: a CPU model whose linear layers
 are all GGUF blocks on the native kernels (`quantization: gguf`), no tensor parallelism, no q/k
-norm nor any of Gemma's switches, no residual multiplier
+norm nor any of Gemma's switches, every layer rotating (not SmolLM3's), no residual multiplier
 (Granite's; its other constants act outside the layers, or are the attention scale it is given),
 and a forward of short queries only (decodes and verify queries, `AttentionMetadata.short_only`)
 in a dtype the fused ops and the attention kernel take. Prompt chunks, other devices, compiled
@@ -76,8 +76,8 @@ def build(model: DecoderModel) -> NativeStack | None:
     s = model.shape
     if not (ENABLED and _library_has_stack()) or s.qk_norm or s.norm_offset:
         return None  # layers.cpp has Llama's layer only: no q/k norms, Gemma's norms or windows
-    if s.layer_types or s.residual_multiplier != 1.0:
-        return None  # nor layers of two kinds (Gemma 3) or Granite's residual scaling
+    if not s.layers_alike or s.residual_multiplier != 1.0:
+        return None  # nor layers of two kinds (Gemma 3, SmolLM3) or Granite's residual scaling
     if model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (
         torch.float32,
         torch.bfloat16,

@@ -3,7 +3,7 @@
 Every family is a configuration of the one decoder (engine.model.decoder): `build_decoder`
 reads a transformers config into a `DecoderShape`, whose switches say where a family departs
 from Llama (QKV bias, q/k norms, Gemma's offset norms, GeGLU, sandwich norms, scaled
-embeddings, sliding-window layers; Granite's multipliers).
+embeddings, sliding-window layers; Granite's multipliers; SmolLM3's layers without rope).
 Phi-3/Phi-4 is Llama's layer as it is; only its checkpoint differs, with q/k/v and gate/up
 already fused and (Phi-4-mini) a partial rotary (`split_fused`).
 A config asking for something the decoder does not do is refused here, by name, rather than
@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
     "GraniteForCausalLM",
+    "SmolLM3ForCausalLM",
 )
 
 # model_type -> architecture, for configs (e.g. from GGUF) that do not name one
@@ -41,6 +42,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 _GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -71,6 +73,8 @@ def build_decoder(architecture: str, config: PretrainedConfig) -> DecoderModel:
     )
     if architecture == "GraniteForCausalLM":
         shape = _granite_switches(config, shape)
+    if architecture == "SmolLM3ForCausalLM":
+        shape = _smollm3_switches(config, shape)
     return DecoderModel(shape)
 
 
@@ -83,6 +87,18 @@ def _granite_switches(config: PretrainedConfig, shape: DecoderShape) -> DecoderS
         residual_multiplier=float(config.residual_multiplier),
         logits_scaling=float(config.logits_scaling),
     )
+
+
+def _smollm3_switches(config: PretrainedConfig, shape: DecoderShape) -> DecoderShape:
+    """SmolLM3: Llama's layer, but where `no_rope_layers[i]` is 0 layer i attends unrotated
+    (the config fills the list from `no_rope_layer_interval`: every fourth layer by default).
+    Its optional sliding window (on those layers only) is refused: the decoder does not keep it."""
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError("SmolLM3ForCausalLM with use_sliding_window is not supported")
+    uses_rope = list(config.no_rope_layers)
+    if len(uses_rope) != shape.num_layers:
+        raise ValueError(f"SmolLM3 no_rope_layers has {len(uses_rope)} entries, not one a layer")
+    return replace(shape, no_rope_layers=tuple(i for i, use in enumerate(uses_rope) if not use))
 
 
 def _gemma3_shape(config: PretrainedConfig) -> DecoderShape:

@@ -65,8 +65,9 @@ class ModelRunner:
         head = None if head_rows is None else (head_rows, self.eos_token_ids)
         self.model = _build_model(loaded, self.device, self.dtype, self.tp, head)
         self.weights: WeightSummary = summarize(self.model)
-        # a model with sliding-window layers runs its eager loop (DecoderModel.forward)
-        compile_decode = compile_decode and not self.model.shape.layer_types
+        # layers of two kinds (Gemma 3's windows, SmolLM3's NoPE) run the eager loop: the
+        # graph of a run of layers assumes they differ only in weights
+        compile_decode = compile_decode and self.model.shape.layers_alike
         self.decode_graph = DecodeGraph(self.model) if compile_decode else None
         self.model.compiled_layers = self.decode_graph
         if self.device.type == "cpu":

@@ -38,6 +38,8 @@ class DecoderShape:
     attention_multiplier: float | None = None  # the attention scale itself (None: head_dim's)
     residual_multiplier: float = 1.0  # each sublayer's output times this as it joins the stream
     logits_scaling: float = 1.0  # the head's logits divided by this
+    # SmolLM3's: layers that attend without rotary embedding (NoPE)
+    no_rope_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_config(
@@ -74,5 +76,14 @@ class DecoderShape:
             return self.attention_multiplier
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    @property
+    def layers_alike(self) -> bool:
+        """Every layer runs the same ops on the same rope: what one compiled graph for a run of
+        layers and the native stack assume (not so with Gemma 3's or SmolLM3's layer kinds)."""
+        return not self.layer_types and not self.no_rope_layers
+
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def rotates(self, layer: int) -> bool:
+        return layer not in self.no_rope_layers

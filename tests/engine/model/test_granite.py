@@ -73,7 +73,7 @@ def test_granite_is_llamas_layer_with_its_multipliers(granite_dir: Path) -> None
     shape = build_decoder(loaded.architecture, loaded.hf_config).shape
     assert (shape.embedding_multiplier, shape.attention_multiplier) == (6.0, 0.1)
     assert (shape.residual_multiplier, shape.logits_scaling) == (0.5, 2.0)
-    assert shape.attention_scale == 0.1 and not shape.layer_types
+    assert shape.attention_scale == 0.1 and shape.layers_alike
     assert not (shape.qkv_bias or shape.qk_norm or shape.norm_offset or shape.sandwich_norms)
 
 

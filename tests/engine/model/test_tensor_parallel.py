@@ -92,15 +92,18 @@ class ThreadTP(TensorParallel):
 
 # Gemma 3: a local layer whose window (8) the 20-token prompt passes, then a global one
 GEMMA3 = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
-# the switches other families turn on: Granite's multipliers
+# the switches other families turn on: Granite's multipliers, SmolLM3's second layer NoPE
 CONFIGS: dict[str, dict[str, Any]] = {
     "gemma3": GEMMA3,
     "granite": dict(embedding_multiplier=6.0, attention_multiplier=0.1, residual_multiplier=0.5,
                     logits_scaling=2.0),
+    "smollm3": dict(no_rope_layer_interval=2),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gemma3", "phi3", "granite"])
+@pytest.mark.parametrize(
+    "family", ["qwen2", "llama", "qwen3", "gemma3", "phi3", "granite", "smollm3"]
+)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_shards_reproduce_the_whole_model(
     family: str, world_size: int, tmp_path_factory: pytest.TempPathFactory

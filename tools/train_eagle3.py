@@ -87,7 +87,7 @@ def head_config(target: dict, recipe: Recipe, layer_ids: tuple[int, ...], draft:
         "num_hidden_layers": 1,
         "hidden_act": "silu",
         "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
-        "rope_theta": target.get("rope_theta", 10000.0),
+        "rope_theta": _rope_theta(target),
         "max_position_embeddings": target["max_position_embeddings"],
         "vocab_size": target["vocab_size"],
         "draft_vocab_size": draft,
@@ -95,6 +95,13 @@ def head_config(target: dict, recipe: Recipe, layer_ids: tuple[int, ...], draft:
         "tie_word_embeddings": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)},
     }
+
+
+def _rope_theta(target: dict) -> float:
+    """The public format's field; transformers 5 keeps it in rope_parameters."""
+    return float(
+        target.get("rope_theta") or (target.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    )
 
 
 def new_head(config: Eagle3Config, embed: torch.Tensor, seed: int) -> Eagle3Head:

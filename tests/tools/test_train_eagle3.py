@@ -19,7 +19,7 @@ from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
 from engine.config import SpeculativeConfig
 from engine.model.eagle3 import Eagle3Head, HeadSpan, load_eagle3_head
 from tools.eagle3_data import extract_features
-from tools.train_eagle3 import Recipe, Result, head_step, run
+from tools.train_eagle3 import Recipe, Result, head_config, head_step, run
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -113,3 +113,19 @@ def test_engine_with_trained_head_equals_plain(
     seqs = engine.generate(prompts, greedy(16))
     assert [s.output_token_ids for s in seqs] == want
     assert sum(s.spec.num_draft_tokens for s in seqs) > 0  # the head drafted
+
+
+def test_head_config_keeps_the_targets_rope() -> None:
+    """transformers 5 keeps rope_theta in rope_parameters; the format wants it at the top."""
+    target = {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "vocab_size": 151936,
+        "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+    }
+    config = head_config(target, recipe(Path("t"), Path("o"), 1), (2, 14, 25), 8192)
+    assert config["rope_theta"] == 1e6 and config["head_dim"] == 128
+    assert config["intermediate_size"] == 8960 and config["draft_vocab_size"] == 8192

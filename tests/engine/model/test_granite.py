@@ -6,19 +6,21 @@ sublayer's output times `residual_multiplier` as it joins the stream, logits div
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import cache
 from pathlib import Path
 
 import pytest
-import torch
-from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
+from family_utils import (
+    assert_greedy_equals_transformers,
+    hf_logits,
+    hf_logits_bf16,
+    max_diff,
+    prompt_ids,
+    runner_logits,
+)
 from tiny import make_tiny_model
-from transformers import AutoModelForCausalLM
 
-from engine.config import SpeculativeConfig
 from engine.model.families import build_decoder
-from engine.model.loader import LoadedModel, load_model
-from engine.model.runner import ForwardInput, ModelRunner
+from engine.model.loader import load_model
 
 # each far from 1.0 (and the scale from head_dim 16's 0.25), so that dropping one shows
 MULTIPLIERS = dict(
@@ -26,7 +28,6 @@ MULTIPLIERS = dict(
 )
 GRANITE = dict(family="granite", num_layers=3, **MULTIPLIERS)
 ATOL = 1e-4
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -39,41 +40,6 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 1-layer Granite draft, other weights (seed 1), its head tied to the embeddings."""
     draft = GRANITE | dict(num_layers=1, tie_word_embeddings=True)
     return make_tiny_model(tmp_path_factory.mktemp("granite-draft"), seed=1, **draft)  # type: ignore[arg-type]
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return random_prompts(1, (n, n), 300, seed)[0]
-
-
-def _chunked(
-    loaded: LoadedModel, ids: list[int], dtype: str = "float32"
-) -> torch.Tensor:  # [len(ids), V]
-    """Prompt chunks, a 4-token verify query and single decodes, through shuffled blocks."""
-    runner, table = ModelRunner(loaded, "cpu", dtype, 4), list(range(47, -1, -1))
-    runner.allocate_kv_cache(48)
-    outs, pos = [], 0
-    for size in (7, 1, 4, 20, 1, 100):
-        chunk = ids[pos : pos + size]
-        if chunk:
-            outs.append(runner.forward([ForwardInput(chunk, pos, table, len(chunk))]))
-        pos += len(chunk)
-    return torch.cat(outs)
-
-
-@torch.no_grad()
-def _reference(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    return hf_model(model_dir)(torch.tensor([ids])).logits[0].float()
-
-
-@torch.no_grad()
-def _reference_bf16(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
-    return model(torch.tensor([ids])).logits[0].float()
-
-
-def _max_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    assert ours.shape == ref.shape
-    return (ours - ref).abs().max().item()
 
 
 def test_granite_is_llamas_layer_with_its_multipliers(granite_dir: Path) -> None:
@@ -93,8 +59,8 @@ def test_logits_match_transformers(tied: bool, granite_dir: Path, tmp_path: Path
         model_dir = make_tiny_model(tmp_path / "tied", seed=3, **GRANITE, tie_word_embeddings=True)  # type: ignore[arg-type]
     loaded = load_model(str(model_dir))
     for seed, n in ((1, 40), (2, 13), (3, 33)):
-        ids = _ids(n, seed)
-        diff = _max_diff(_chunked(loaded, ids), _reference(model_dir, ids))
+        ids = prompt_ids(n, seed)
+        diff = max_diff(runner_logits(loaded, ids), hf_logits(model_dir, ids))
         assert diff < ATOL, f"max abs diff {diff}"
 
 
@@ -102,44 +68,27 @@ def test_logits_match_transformers(tied: bool, granite_dir: Path, tmp_path: Path
 def test_each_multiplier_matters(name: str, granite_dir: Path) -> None:
     """The same weights with one constant at its default give other logits: the test above
     would see a multiplier the decoder dropped."""
-    loaded, ids = load_model(str(granite_dir)), _ids(20, seed=4)
+    loaded, ids = load_model(str(granite_dir)), prompt_ids(20, seed=4)
     plain = load_model(str(granite_dir)).hf_config
     setattr(plain, name, 1.0)
-    diff = _max_diff(_chunked(replace(loaded, hf_config=plain), ids), _reference(granite_dir, ids))
+    diff = max_diff(
+        runner_logits(replace(loaded, hf_config=plain), ids), hf_logits(granite_dir, ids)
+    )
     assert diff > 1e-2
 
 
 def test_bfloat16_as_accurate_as_transformers(granite_dir: Path) -> None:
     """Each constant applied in the model dtype where transformers applies it: in bfloat16 our
     error against float32 is no worse than transformers' own (on this CPU they are equal)."""
-    ids = _ids(36, seed=6)
-    ours = _chunked(load_model(str(granite_dir)), ids, "bfloat16")
-    gold = _reference(granite_dir, ids)
+    ids = prompt_ids(36, seed=6)
+    ours = runner_logits(load_model(str(granite_dir)), ids, "bfloat16")
+    gold = hf_logits(granite_dir, ids)
     ours_err, theirs_err = (
-        (x - gold).abs().max().item() for x in (ours, _reference_bf16(granite_dir, ids))
+        (x - gold).abs().max().item() for x in (ours, hf_logits_bf16(granite_dir, ids))
     )
     assert ours_err <= 1.5 * theirs_err + 1e-3, (ours_err, theirs_err)
 
 
-@cache
-def _hf_outputs(model_dir: Path) -> list[list[int]]:
-    return [hf_greedy(model_dir, p, MAX_TOKENS) for p in _prompts()]
-
-
-def _prompts() -> list[list[int]]:
-    repeats = [p * 3 for p in random_prompts(2, (4, 8), 300, seed=9)]  # n-gram matches
-    return random_prompts(4, (3, 30), 300, seed=7) + repeats
-
-
 @pytest.mark.parametrize("kind", ["none", "ngram", "draft"])
 def test_greedy_equals_transformers(kind: str, granite_dir: Path, draft_dir: Path) -> None:
-    """Six requests batched, prompts in chunks of at most 9 tokens, with and without speculation."""
-    spec = {
-        "none": SpeculativeConfig(),
-        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
-        "draft": SpeculativeConfig(
-            method="draft", num_speculative_tokens=3, draft_model=str(draft_dir), adaptive=False
-        ),
-    }[kind]
-    engine = make_engine(granite_dir, speculative=spec, max_num_batched_tokens=9)
-    assert outputs(engine, _prompts(), greedy(MAX_TOKENS)) == _hf_outputs(granite_dir)
+    assert_greedy_equals_transformers(kind, granite_dir, draft_dir)

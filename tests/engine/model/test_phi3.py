@@ -7,17 +7,16 @@ float32."""
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
+from engine_utils import hf_model, random_prompts
+from family_utils import assert_greedy_equals_transformers
 from safetensors import safe_open
 from tiny import make_tiny_model
 from transformers import LlamaConfig
 
-from engine.config import SpeculativeConfig
 from engine.model.families import build_decoder
 from engine.model.loader import LoadedModel, load_model
 from engine.model.runner import ForwardInput, ModelRunner
@@ -36,7 +35,6 @@ PHI3 = dict(
 PHI3_LONGROPE = dict(family="phi3", num_layers=2, original_max_position_embeddings=ORIGINAL,
                      rope_parameters=LONGROPE)  # fmt: skip
 ATOL = 1e-4
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -158,27 +156,9 @@ def test_partial_rotary_elsewhere_is_refused_by_name() -> None:
         build_decoder("LlamaForCausalLM", config)
 
 
-@cache
-def _hf_outputs(model_dir: Path) -> list[list[int]]:
-    return [hf_greedy(model_dir, p, MAX_TOKENS) for p in _prompts()]
-
-
-def _prompts() -> list[list[int]]:
-    repeats = [p * 3 for p in random_prompts(2, (4, 8), 300, seed=9)]  # n-gram matches
-    return random_prompts(4, (3, 30), 300, seed=7) + repeats
-
-
 @pytest.mark.parametrize("kind", ["none", "ngram", "draft"])
 def test_greedy_equals_transformers(kind: str, phi_dir: Path, draft_dir: Path) -> None:
-    spec = {
-        "none": SpeculativeConfig(),
-        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
-        "draft": SpeculativeConfig(
-            method="draft", num_speculative_tokens=3, draft_model=str(draft_dir), adaptive=False
-        ),
-    }[kind]
-    engine = make_engine(phi_dir, speculative=spec, max_num_batched_tokens=9)
-    assert outputs(engine, _prompts(), greedy(MAX_TOKENS)) == _hf_outputs(phi_dir)
+    assert_greedy_equals_transformers(kind, phi_dir, draft_dir)
 
 
 def _as_llama(phi_dir: Path, out: Path) -> Path:

@@ -1,0 +1,77 @@
+"""What the model-family tests share (tests/engine/model/test_granite.py, test_smollm3.py,
+test_phi3.py): the runner's logits through prompt chunks, a verify query and single decodes;
+transformers' logits as the reference; and greedy output against transformers' own generate,
+batched, in small chunks, with and without speculation."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
+from transformers import AutoModelForCausalLM
+
+from engine.config import SpeculativeConfig
+from engine.model.loader import LoadedModel
+from engine.model.runner import ForwardInput, ModelRunner
+
+MAX_TOKENS = 12
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    return random_prompts(1, (n, n), 300, seed)[0]
+
+
+def runner_logits(
+    loaded: LoadedModel, ids: list[int], dtype: str = "float32"
+) -> torch.Tensor:  # [len(ids), vocab_size]
+    """Prompt chunks, a 4-token verify query and single decodes, through shuffled blocks."""
+    runner, table = ModelRunner(loaded, "cpu", dtype, 4), list(range(47, -1, -1))
+    runner.allocate_kv_cache(48)
+    outs, pos = [], 0
+    for size in (7, 1, 4, 20, 1, 100):
+        chunk = ids[pos : pos + size]
+        if chunk:
+            outs.append(runner.forward([ForwardInput(chunk, pos, table, len(chunk))]))
+        pos += len(chunk)
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab_size]
+    return hf_model(model_dir)(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_logits_bf16(model_dir: Path, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab_size]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+def max_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    assert ours.shape == ref.shape
+    return (ours - ref).abs().max().item()
+
+
+def batched_prompts() -> list[list[int]]:
+    repeats = [p * 3 for p in random_prompts(2, (4, 8), 300, seed=9)]  # n-gram matches
+    return random_prompts(4, (3, 30), 300, seed=7) + repeats
+
+
+@cache
+def hf_outputs(model_dir: Path) -> list[list[int]]:
+    return [hf_greedy(model_dir, p, MAX_TOKENS) for p in batched_prompts()]
+
+
+def assert_greedy_equals_transformers(kind: str, model_dir: Path, draft_dir: Path) -> None:
+    """Six requests batched, prompts in chunks of at most 9 tokens; `kind`: none, ngram, draft."""
+    spec = {
+        "none": SpeculativeConfig(),
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
+        "draft": SpeculativeConfig(
+            method="draft", num_speculative_tokens=3, draft_model=str(draft_dir), adaptive=False
+        ),
+    }[kind]
+    engine = make_engine(model_dir, speculative=spec, max_num_batched_tokens=9)
+    assert outputs(engine, batched_prompts(), greedy(MAX_TOKENS)) == hf_outputs(model_dir)

@@ -13,7 +13,7 @@ from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, rand
 from transformers import AutoModelForCausalLM
 
 from engine.config import SpeculativeConfig
-from engine.model.loader import LoadedModel
+from engine.model.loader import LoadedModel, load_model
 from engine.model.runner import ForwardInput, ModelRunner
 
 MAX_TOKENS = 12
@@ -52,6 +52,16 @@ def hf_logits_bf16(model_dir: Path, ids: list[int]) -> torch.Tensor:  # [len(ids
 def max_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
     assert ours.shape == ref.shape
     return (ours - ref).abs().max().item()
+
+
+def assert_bf16_as_accurate_as_transformers(model_dir: Path) -> None:
+    """In bfloat16 our error against transformers' float32 logits is no worse than transformers'
+    own bfloat16 error: each constant rounds where transformers rounds it."""
+    ids = prompt_ids(36, seed=6)
+    gold = hf_logits(model_dir, ids)
+    ours = max_diff(runner_logits(load_model(str(model_dir)), ids, "bfloat16"), gold)
+    theirs = max_diff(hf_logits_bf16(model_dir, ids), gold)
+    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
 def batched_prompts() -> list[list[int]]:

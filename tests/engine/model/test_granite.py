@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from family_utils import (
+    assert_bf16_as_accurate_as_transformers,
     assert_greedy_equals_transformers,
     hf_logits,
-    hf_logits_bf16,
     max_diff,
     prompt_ids,
     runner_logits,
@@ -80,13 +80,7 @@ def test_each_multiplier_matters(name: str, granite_dir: Path) -> None:
 def test_bfloat16_as_accurate_as_transformers(granite_dir: Path) -> None:
     """Each constant applied in the model dtype where transformers applies it: in bfloat16 our
     error against float32 is no worse than transformers' own (on this CPU they are equal)."""
-    ids = prompt_ids(36, seed=6)
-    ours = runner_logits(load_model(str(granite_dir)), ids, "bfloat16")
-    gold = hf_logits(granite_dir, ids)
-    ours_err, theirs_err = (
-        (x - gold).abs().max().item() for x in (ours, hf_logits_bf16(granite_dir, ids))
-    )
-    assert ours_err <= 1.5 * theirs_err + 1e-3, (ours_err, theirs_err)
+    assert_bf16_as_accurate_as_transformers(granite_dir)
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "draft"])

@@ -103,7 +103,11 @@ class LLMEngine:
             params=params,
             times=RequestTimes(arrival=time.monotonic()),
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, list(prompt_token_ids), stop, params.skip_special_tokens
+                self.tokenizer,
+                list(prompt_token_ids),
+                stop,
+                params.skip_special_tokens,
+                track_tokens=params.token_origins,
             ),
             seed_stream=None if params.seed is None else SeedStream.of(params.seed, params.choice),
             num_speculative_tokens=self.scheduler.request_k(params),
@@ -336,11 +340,11 @@ class LLMEngine:
             if seq.wants_prompt_logprobs
             else []
         )
-        if item.reaches_end:
-            step_spec.add(k, len(tokens) - 1, proposal.source)
         result = SeqResult(
             tokens, k, proposal.source, proposal.num_draft_computed, logprobs, prompt_logprobs
         )
+        if item.reaches_end:
+            step_spec.add(result.num_drafts, result.num_accepted, result.proposer)
         return self.scheduler.update_from_output(item, result)
 
     def _prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> list[TokenLogprob]:

@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: tuple[str, ...],
         skip_special_tokens: bool,
+        track_tokens: bool = False,  # keep where each token's text ends (for `token_texts`)
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
@@ -34,7 +35,8 @@ class IncrementalDetokenizer:
         self._text = ""
         self._num_sent = 0  # characters of text already handed out by pop_delta
         self.stop_reason: str | None = None
-        self.token_ends: list[int] = []  # len(text) after each token: where its text ends
+        # len(text) after each token: where its text ends; None unless tracked
+        self.token_ends: list[int] | None = [] if track_tokens else None
 
     @property
     def text(self) -> str:
@@ -50,7 +52,8 @@ class IncrementalDetokenizer:
                 old_len = len(self._text)
                 self._text += delta
                 self._check_stop(old_len)
-        self.token_ends.append(len(self._text))
+        if self.token_ends is not None:
+            self.token_ends.append(len(self._text))
         return self.stop_reason
 
     @property
@@ -74,6 +77,7 @@ class IncrementalDetokenizer:
         `first_token` on ends: one piece per token, adding up to `text`. Characters before the first
         cut (released from an earlier token by a stop-string hold) go with the first piece, and a
         final flush with the last; a token that completed no character gets "" """
+        assert self.token_ends is not None, "built without track_tokens"
         ends = self.token_ends[first_token:]
         if not ends:
             return [text] if text else []

@@ -130,7 +130,7 @@ def test_token_texts_on_a_character_split_over_tokens(tokenizer: Any) -> None:
     """A byte-level character spread over several tokens: the tokens before the one that completes
     it get "", that one the whole character."""
     ids = tokenizer.encode("ok 🦊 fox")
-    detok = IncrementalDetokenizer(tokenizer, [], (), True)
+    detok = IncrementalDetokenizer(tokenizer, [], (), True, track_tokens=True)
     for token in ids:
         detok.append(token)
     text = detok.pop_delta(finished=True)

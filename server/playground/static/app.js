@@ -263,18 +263,24 @@ function pairElement(m) {
   const pair = document.createElement("div");
   pair.className = "pair";
   for (const [label, side] of [["speculative", m], ["plain", m.pair]]) {
-    const col = document.createElement("div");
-    col.dataset.side = label;
-    const head = document.createElement("div");
-    head.className = "who";
-    head.textContent = `${label} · ${side.stats?.tps?.toFixed(1) ?? "–"} tok/s`;
-    const text = document.createElement("div");
-    text.className = "text";
+    const text = column(pair, label, `${label} · ${side.stats?.tps?.toFixed(1) ?? "–"} tok/s`);
     renderSpans(text, side.spans, side.content);
-    col.append(head, text);
-    pair.append(col);
   }
   return pair;
+}
+
+// One side of a comparison in `pair`: its heading, and the text element it returns.
+function column(pair, side, heading) {
+  const col = document.createElement("div");
+  col.dataset.side = side;
+  const head = document.createElement("div");
+  head.className = "who";
+  head.textContent = heading;
+  const text = document.createElement("div");
+  text.className = "text";
+  col.append(head, text);
+  pair.append(col);
+  return text;
 }
 
 function showFigures(panel, values) {
@@ -417,16 +423,7 @@ function ensureColumn(el, side) {
     pair.className = "pair";
     el.querySelector(".text").replaceWith(pair);
   }
-  const col = document.createElement("div");
-  col.dataset.side = side;
-  const head = document.createElement("div");
-  head.className = "who";
-  head.textContent = side;
-  const text = document.createElement("div");
-  text.className = "text";
-  col.append(head, text);
-  pair.append(col);
-  return text;
+  return column(pair, side, side);
 }
 
 function showComparison(spec, plain) {

@@ -18,6 +18,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 
@@ -81,6 +82,7 @@ _FAMILIES: dict[str, type[PretrainedConfig]] = {
     "phi3": Phi3Config,
     "granite": GraniteConfig,
     "smollm3": SmolLM3Config,
+    "qwen3_moe": Qwen3MoeConfig,
 }
 
 

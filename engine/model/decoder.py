@@ -7,7 +7,8 @@ embeddings. Gemma 3 is the same decoder with switches on (`DecoderShape`): norms
 1 + weight, a GeGLU MLP, a norm after each sublayer too, scaled embeddings, its own attention
 scale, and local layers with a sliding window and a rope of their own. Granite scales the
 embeddings, the attention, each sublayer's output and the logits by constants of its config;
-SmolLM3 leaves some layers unrotated (NoPE). It runs over a flat
+SmolLM3 leaves some layers unrotated (NoPE); Qwen3-MoE routes each token to a few experts, each
+this module's gated MLP (engine.model.moe). It runs over a flat
 ragged batch (`input_ids [T]`, `positions [T]`) with paged KV caches described by one
 `AttentionMetadata`.
 """
@@ -15,6 +16,7 @@ ragged batch (`input_ids [T]`, `positions [T]`) with paged KV caches described b
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Protocol, Union, cast
 
@@ -25,6 +27,7 @@ from transformers import PretrainedConfig
 
 from engine.kernels import fused_ops
 from engine.model.attention import AttentionMetadata, attend, paged_attention
+from engine.model.moe import MoE
 from engine.model.quant.formats import QuantizedWeight
 from engine.model.rope import Rope, Rotary, apply_rope, rope_layer_types
 from engine.model.shape import DecoderShape
@@ -182,7 +185,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(shape, self.sliding, shape.rotates(index))
         # Llama's: the MLP's norm; with sandwich norms (Gemma's), the attention output's
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(shape)
+        self.mlp: MLP | MoE = _moe(shape) if shape.is_moe(index) else MLP(shape)
         self.pre_feedforward_layernorm = norm() if shape.sandwich_norms else None
         self.post_feedforward_layernorm = norm() if shape.sandwich_norms else None
 
@@ -236,6 +239,13 @@ class DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h, dtype).to(dtype)), residual
 
 
+def _moe(shape: DecoderShape) -> MoE:
+    """A routed MLP whose experts are this decoder's gated MLP at the experts' size."""
+    assert shape.moe is not None
+    expert_shape = replace(shape, intermediate_size=shape.moe.expert_size)
+    return MoE(shape.hidden_size, shape.moe, partial(MLP, expert_shape))
+
+
 # transformers parameter name suffix -> (our parameter, shard index within a fused parameter)
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -243,6 +253,8 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "gate_proj": ("gate_up_proj", 0),  # an expert's: mlp.experts.E.gate_proj
+    "up_proj": ("gate_up_proj", 1),
 }
 
 
@@ -390,8 +402,8 @@ class DecoderModel(nn.Module):
         s = self.shape
         if module_name.endswith("qkv_proj"):
             return [s.q_size, s.kv_size, s.kv_size]
-        if module_name.endswith("gate_up_proj"):
-            return [s.intermediate_size] * 2
+        if module_name.endswith("gate_up_proj"):  # an expert's is narrower than the dense MLP's
+            return [cast(int, self.get_submodule(module_name).out_features) // 2] * 2
         return [cast(int, self.get_submodule(module_name).out_features)]  # Linear or QuantLinear
 
     def load_weights(self, weights: Iterable[tuple[str, WeightValue]]) -> None:

@@ -109,6 +109,7 @@ def _layers(model: DecoderModel) -> list[DecoderLayer]:
 
 def _linears(layer: DecoderLayer) -> list[torch.nn.Module]:
     attn, mlp = layer.self_attn, layer.mlp
+    assert not isinstance(mlp.down_proj, torch.Tensor)  # an MLP's: build() refused routed experts
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
 
 

@@ -3,7 +3,8 @@
 Every family is a configuration of the one decoder (engine.model.decoder): `build_decoder`
 reads a transformers config into a `DecoderShape`, whose switches say where a family departs
 from Llama (QKV bias, q/k norms, Gemma's offset norms, GeGLU, sandwich norms, scaled
-embeddings, sliding-window layers; Granite's multipliers; SmolLM3's layers without rope).
+embeddings, sliding-window layers; Granite's multipliers; SmolLM3's layers without rope;
+Qwen3-MoE's routed experts, engine.model.moe).
 Phi-3/Phi-4 is Llama's layer as it is; only its checkpoint differs, with q/k/v and gate/up
 already fused and (Phi-4-mini) a partial rotary (`split_fused`).
 A config asking for something the decoder does not do is refused here, by name, rather than
@@ -19,8 +20,9 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.model.decoder import DecoderModel, WeightValue
+from engine.model.hybrid import build_qwen3_5
 from engine.model.rope import partial_rotary_factor
-from engine.model.shape import DecoderShape
+from engine.model.shape import DecoderShape, MoeShape
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -29,8 +31,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    "Qwen3_5ForCausalLM",
     "GraniteForCausalLM",
     "SmolLM3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 # model_type -> architecture, for configs (e.g. from GGUF) that do not name one
@@ -43,6 +47,8 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 _GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -61,6 +67,10 @@ def build_decoder(architecture: str, config: PretrainedConfig) -> DecoderModel:
     check_supported(architecture)
     if architecture == "Gemma3ForCausalLM":
         return DecoderModel(_gemma3_shape(config))
+    if architecture == "Qwen3_5ForCausalLM":  # linear attention beside full attention
+        return build_qwen3_5(config)
+    if architecture == "Qwen3MoeForCausalLM":
+        return DecoderModel(_qwen3_moe_shape(config))
     if partial_rotary_factor(config) != 1.0 and architecture != "Phi3ForCausalLM":
         raise ValueError(f"{architecture} with partial_rotary_factor: only Phi-3's is reordered")
     if getattr(config, "mlp_bias", False) or getattr(config, "hidden_act", "silu") != "silu":
@@ -99,6 +109,32 @@ def _smollm3_switches(config: PretrainedConfig, shape: DecoderShape) -> DecoderS
     if len(uses_rope) != shape.num_layers:
         raise ValueError(f"SmolLM3 no_rope_layers has {len(uses_rope)} entries, not one a layer")
     return replace(shape, no_rope_layers=tuple(i for i, use in enumerate(uses_rope) if not use))
+
+
+def _qwen3_moe_shape(config: PretrainedConfig) -> DecoderShape:
+    """Qwen3-MoE: Qwen3's layer (q/k norms) with a routed MLP in every `decoder_sparse_step`-th
+    layer not in `mlp_only_layers` (all of them in the released models); the others keep a
+    dense MLP of `intermediate_size`."""
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("Qwen3MoeForCausalLM with use_sliding_window is not supported")
+    if config.hidden_act != "silu":
+        raise ValueError(f"Qwen3-MoE with hidden_act {config.hidden_act!r}: only silu")
+    bias = bool(getattr(config, "attention_bias", False))
+    shape = DecoderShape.from_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    step, dense = int(config.decoder_sparse_step), set(config.mlp_only_layers or ())
+    layers = tuple(
+        i
+        for i in range(shape.num_layers)
+        if i not in dense and config.num_experts > 0 and (i + 1) % step == 0
+    )
+    moe = MoeShape(
+        num_experts=int(config.num_experts),
+        top_k=int(config.num_experts_per_tok),
+        expert_size=int(config.moe_intermediate_size),
+        layers=layers,
+        norm_topk_prob=bool(config.norm_topk_prob),
+    )
+    return replace(shape, moe=moe)
 
 
 def _gemma3_shape(config: PretrainedConfig) -> DecoderShape:

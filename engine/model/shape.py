@@ -10,6 +10,17 @@ from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
+class MoeShape:
+    """A routed mixture-of-experts MLP (engine.model.moe) in the layers it names."""
+
+    num_experts: int
+    top_k: int  # experts a token is routed to
+    expert_size: int  # each expert's intermediate size
+    layers: tuple[int, ...]  # the layers whose MLP is routed (the others keep the dense MLP)
+    norm_topk_prob: bool = False  # Qwen's: the top-k probabilities rescaled to sum to 1
+
+
+@dataclass(frozen=True)
 class DecoderShape:
     """The sizes the module needs, read once from a transformers config."""
 
@@ -40,6 +51,8 @@ class DecoderShape:
     logits_scaling: float = 1.0  # the head's logits divided by this
     # SmolLM3's: layers that attend without rotary embedding (NoPE)
     no_rope_layers: tuple[int, ...] = ()
+    # mixture of experts (Qwen3-MoE): the routed MLP's sizes and layers; None: dense MLPs only
+    moe: MoeShape | None = None
 
     @classmethod
     def from_config(
@@ -79,11 +92,15 @@ class DecoderShape:
     @property
     def layers_alike(self) -> bool:
         """Every layer runs the same ops on the same rope: what one compiled graph for a run of
-        layers and the native stack assume (not so with Gemma 3's or SmolLM3's layer kinds)."""
-        return not self.layer_types and not self.no_rope_layers
+        layers and the native stack assume (not so with Gemma 3's or SmolLM3's layer kinds, nor
+        with routed experts, whose choice of weights is the data's)."""
+        return not self.layer_types and not self.no_rope_layers and self.moe is None
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.layers
 
     def rotates(self, layer: int) -> bool:
         return layer not in self.no_rope_layers

@@ -35,6 +35,8 @@ class RowParallelLinear(nn.Module):
 
 def check_shardable(shape: DecoderShape, world_size: int) -> None:
     kv, tp = shape.num_kv_heads, world_size
+    if shape.moe is not None:
+        raise ValueError("tensor parallelism does not shard routed experts (mixture of experts)")
     if shape.num_heads % tp or shape.intermediate_size % tp or (kv % tp and tp % kv):
         raise ValueError(
             f"tensor_parallel_size {tp} must divide the attention heads ({shape.num_heads}) and "
@@ -59,6 +61,7 @@ def shard_decoder(model: DecoderModel, tp: TensorParallel) -> None:
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         _shard_attention(layer.self_attn, local, tp)
+        assert isinstance(layer.mlp, MLP)  # check_shardable refused routed experts
         _shard_mlp(layer.mlp, local, tp)
     model.shape = local
 

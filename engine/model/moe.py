@@ -1,0 +1,98 @@
+"""A mixture-of-experts MLP: a router sends each token to `top_k` of `num_experts` gated MLPs
+and sums their outputs weighted by its probabilities (Qwen3-MoE).
+
+The routing is transformers' own: router logits x W_r^T in the model dtype, a float32 softmax,
+the top k, rescaled to sum to 1 where `norm_topk_prob` says, rounded to the model dtype. Each
+expert is the decoder's own gated MLP (`expert()` builds one), so it is quantized, or run on a
+GGUF file's blocks by the native kernels, exactly as a dense model's MLP is.
+
+Rows are grouped by expert: one call per chosen expert with every row routed to it. A decode
+step therefore reads only the chosen experts' weights, and a verify of k + 1 rows reads each
+chosen expert's weights once, however many of its rows chose it.
+
+Batch invariance (speculative greedy equals plain greedy): a row's output never depends on the
+other rows. The GGUF kernels compute each row alone (engine.model.quant.native: an expert's
+rows are never a whole forward's chunks, so they run native), and a row's expert outputs are
+added in increasing expert id, the order transformers adds them in, whichever experts the rest
+of the batch chose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.shape import MoeShape
+
+
+class Router(nn.Module):
+    """Top-k routing over softmax probabilities. A plain parameter, not a linear layer: it stays
+    in the model dtype under every quantization (llama.cpp keeps it in F32 too), since a router
+    rounded to int4 would send tokens to other experts."""
+
+    def __init__(self, hidden_size: int, moe: MoeShape) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.top_k = moe.top_k
+        self.norm_topk_prob = moe.norm_topk_prob
+
+    def forward(
+        self, x: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, hidden] -> weights [T, k] (dtype), ids [T, k]
+        logits = F.linear(x.to(dtype), self.weight)  # [T, num_experts]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), ids
+
+
+class MoE(nn.Module):
+    """The routed MLP; `make_expert()` builds one expert (the decoder's gated MLP at the
+    experts' size)."""
+
+    def __init__(self, hidden_size: int, moe: MoeShape, make_expert: Callable[[], nn.Module]):
+        super().__init__()
+        self.gate = Router(hidden_size, moe)  # transformers' and the checkpoints' name
+        self.experts = nn.ModuleList(make_expert() for _ in range(moe.num_experts))
+
+    @property
+    def gate_up_proj(self) -> nn.Module:
+        """An expert's first linear layer: the decoder asks it in which dtype to hand over x."""
+        first = self.experts[0].gate_up_proj
+        assert isinstance(first, nn.Module)
+        return first
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the model dtype's values (float32 for GGUF experts)
+        dtype: torch.dtype,  # the model's
+    ) -> torch.Tensor:  # [T, hidden] in dtype
+        weights, ids = self.gate(x, dtype)  # [T, k] each
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=dtype, device=x.device)
+        for expert, rows, slots in _rows_by_expert(ids, len(self.experts)):
+            y = self.experts[expert](x[rows], dtype).to(dtype)  # [n, hidden]
+            # weighted in the model dtype and added in expert order, as transformers does
+            out.index_add_(0, rows, y * weights.view(-1)[slots, None])
+        return out
+
+
+def _rows_by_expert(
+    ids: torch.Tensor,  # [T, k] the experts each row chose
+    num_experts: int,
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:  # (expert, rows [n], slots [n]), by expert id
+    """Each chosen expert with the rows routed to it (ascending) and their slots in ids.view(-1)."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, rows ascending in each
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    groups, start = [], 0
+    for expert, n in enumerate(counts):
+        if n:
+            slots = order[start : start + n]
+            groups.append((expert, slots // k, slots))
+            start += n
+    return groups

@@ -42,6 +42,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of registered full blocks
     num_draft_cached_blocks: int = 0  # leading blocks flagged as holding the draft's K/V
+    # A hybrid target's slot for its linear layers' recurrent state (engine/model/state_pool.py),
+    # held while running; None: not running, or a model without such state
+    state_slot: int | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     spec: SpecStats = field(default_factory=SpecStats)

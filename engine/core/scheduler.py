@@ -13,6 +13,7 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
+from engine.model.state_pool import StateCommit
 from engine.outputs import TokenLogprob
 from engine.sample import structured
 from engine.sample.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class Scheduler:
         max_model_len: int,
         planner: SpecPlanner | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
+        num_state_slots: int = 0,  # a hybrid target's: one recurrent-state slot per running request
     ) -> None:
         self.config = config
         self.planner = planner
@@ -38,6 +40,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))
+        self.uses_state_slots = num_state_slots > 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -165,6 +169,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq.block_table)
+        self._release_state_slot(seq)
 
     def _cache_blocks(self, seq: Sequence) -> None:
         """Share computed full blocks; flag those whose draft K/V are computed too."""
@@ -243,15 +248,32 @@ class Scheduler:
             seq.times.first_scheduled = time.monotonic()
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        if self.uses_state_slots:
+            seq.state_slot = self.free_state_slots.pop()  # as many as max_num_seqs: one is free
         return item
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV, keep the tokens, go back to the front of the queue."""
         self.running.remove(seq)
         self.blocks.release(seq.block_table)
+        self._release_state_slot(seq)
         seq.status = SequenceStatus.WAITING
         seq.reset_progress()
         self.waiting.appendleft(seq)
+
+    def _release_state_slot(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
+
+    def state_commits(self, batch: list[ScheduledSeq]) -> list[StateCommit]:
+        """After update_from_output: each running request's progress, for the runner to keep the
+        recurrent state at its last accepted token (a hybrid target's rollback)."""
+        return [
+            StateCommit(item.seq.state_slot, item.seq.num_computed_tokens)
+            for item in batch
+            if item.seq.state_slot is not None
+        ]
 
 
 def _cost(item: ScheduledSeq) -> int:

@@ -20,6 +20,7 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.model.decoder import DecoderModel, WeightValue
+from engine.model.hybrid import build_qwen3_5
 from engine.model.rope import partial_rotary_factor
 from engine.model.shape import DecoderShape, MoeShape
 
@@ -30,6 +31,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    "Qwen3_5ForCausalLM",
     "GraniteForCausalLM",
     "SmolLM3ForCausalLM",
     "Qwen3MoeForCausalLM",
@@ -45,6 +47,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
@@ -64,6 +67,8 @@ def build_decoder(architecture: str, config: PretrainedConfig) -> DecoderModel:
     check_supported(architecture)
     if architecture == "Gemma3ForCausalLM":
         return DecoderModel(_gemma3_shape(config))
+    if architecture == "Qwen3_5ForCausalLM":  # linear attention beside full attention
+        return build_qwen3_5(config)
     if architecture == "Qwen3MoeForCausalLM":
         return DecoderModel(_qwen3_moe_shape(config))
     if partial_rotary_factor(config) != 1.0 and architecture != "Phi3ForCausalLM":

@@ -48,6 +48,9 @@ class SpeculativeConfig:
     draft_vocab_size: int | None = None
     # Draft model: run one request's decode through a torch.compile'd graph (engine/model/decode_graph.py).
     draft_compile: bool = False
+    # Branches a draft tree may hold (engine/spec_decode/tree.py): n-gram matches with different
+    # continuations, verified in one forward within the same k nodes; 1: chains only.
+    tree_width: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:
@@ -65,6 +68,8 @@ class SpeculativeConfig:
             raise ValueError("draft_vocab_size must be >= 1 (or null: the whole vocabulary)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.tree_width < 1:
+            raise ValueError("tree_width must be >= 1 (1: chains only)")
         if self.draft_quantization is not None:
             _check_quantization("draft_quantization", self.draft_quantization)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -16,7 +17,7 @@ from engine.model import device as devices
 from engine.model.eagle3 import load_eagle3_head
 from engine.model.loader import check_same_vocab, load_model
 from engine.model.quantization import quantization_for
-from engine.model.runner import ForwardInput, ModelRunner
+from engine.model.runner import ModelRunner
 from engine.outputs import (
     ContextLengthError,
     RequestOutput,
@@ -27,7 +28,7 @@ from engine.outputs import (
 )
 from engine.sample import structured
 from engine.sample.detokenizer import IncrementalDetokenizer
-from engine.sample.sampler import emitted_logprobs, logprobs_of
+from engine.sample.sampler import logprobs_of
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.seeded import SeedStream
 from engine.sequence import ScheduledSeq, SeqResult, Sequence
@@ -42,8 +43,8 @@ from engine.spec_decode.proposers import (
     Proposer,
 )
 from engine.spec_decode.proposers.forced import ForcedDraftProposer
-from engine.spec_decode.rejection_sampler import verify_batch
 from engine.spec_decode.step_cost import StepCosts, calibrate, calibration_rows
+from engine.spec_decode.verify import Verified, num_logits, verify_inputs, verify_step
 
 log = logging.getLogger("specserve.engine")
 
@@ -154,7 +155,7 @@ class LLMEngine:
         planned = time.perf_counter()
         proposals = self.proposer.propose(batch.scheduled)
         drafted = time.perf_counter()
-        logits = self.target.forward(self._verify_inputs(batch.scheduled, proposals))
+        logits = self.target.forward(verify_inputs(batch.scheduled, proposals))
         stats = self._accept(batch.scheduled, proposals, logits)
         stats.num_preemptions = batch.num_preempted
         self._observe(time.perf_counter() - started, drafted - planned, stats)
@@ -243,34 +244,20 @@ class LLMEngine:
 
     # ---- the speculative step --------------------------------------------------------------
 
-    def _verify_inputs(
-        self, batch: list[ScheduledSeq], proposals: list[Proposal]
-    ) -> list[ForwardInput]:
-        """The target sees each request's new tokens plus its drafts, all in one ragged forward."""
-        inputs = []
-        for item, proposal in zip(batch, proposals, strict=True):
-            seq, start = item.seq, item.seq.num_computed_tokens
-            known = seq.token_ids[start : start + item.num_new_tokens]
-            num_logits = _num_logits(item, proposal)
-            drafts = proposal.token_ids
-            inputs.append(
-                ForwardInput(known + drafts, start, seq.block_table, num_logits, len(drafts))
-            )
-        return inputs
-
     def _accept(
         self,
         batch: list[ScheduledSeq],
         proposals: list[Proposal],
         logits: torch.Tensor,  # [sum(num_logits), vocab_size]
     ) -> StepStats:
-        verified = self._verify(batch, proposals, logits)
+        verified = verify_step(batch, proposals, logits)
         spec, num_prompt, num_emitted, offset = SpecStats(), 0, 0, 0
-        for item, proposal, (tokens, logprobs) in zip(batch, proposals, verified, strict=True):
-            rows = logits[offset : offset + _num_logits(item, proposal)]  # [num_logits, vocab_size]
+        for item, proposal, outcome in zip(batch, proposals, verified, strict=True):
+            rows = logits[offset : offset + num_logits(item, proposal)]  # [num_logits, vocab_size]
             offset += rows.shape[0]
             num_prompt += item.num_prompt_tokens
-            num_emitted += self._accept_one(item, proposal, rows, tokens, logprobs, spec)
+            self.target.move_kv(item.seq.block_table, outcome.kv_moves)
+            num_emitted += self._accept_one(item, proposal, rows, outcome, spec)
         spec.num_emitted_tokens = num_emitted
         queried, hit = self.block_manager.take_lookup_stats()
         return StepStats(
@@ -286,51 +273,12 @@ class LLMEngine:
             spec_k_chosen=[item.num_spec_tokens for item in batch if item.reaches_end],
         )
 
-    def _verify(
-        self,
-        batch: list[ScheduledSeq],
-        proposals: list[Proposal],
-        logits: torch.Tensor,  # [sum(num_logits), vocab_size]
-    ) -> list[tuple[list[int], list[TokenLogprob] | None]]:
-        """One batched verification of every request whose chunk reaches the end: the tokens each
-        emits (none for a prompt chunk) and their logprobs where asked."""
-        # p = the target's processed probs at each draft position plus the bonus one; q = the draft's.
-        # Accept x_i with prob min(1, p(x_i) / q(x_i)); at the first rejection the recovered token is
-        # drawn from norm(max(0, p - q)); if all k pass, the bonus token is drawn from p. Greedy:
-        # accept while x_i == argmax p. Either way the emitted tokens follow p exactly.
-        ends = [i for i, item in enumerate(batch) if item.reaches_end]
-        verified: list[tuple[list[int], list[TokenLogprob] | None]] = [([], None)] * len(batch)
-        if not ends:
-            return verified
-        target_logits = _verify_rows(batch, proposals, logits)  # [num_tokens, vocab_size]
-        vocab_size = target_logits.shape[1]
-        seqs = [batch[i].seq for i in ends]
-        drafts = [proposals[i].token_ids for i in ends]
-        constrained = structured.constrain_verify_rows(
-            [s.constraint for s in seqs], target_logits, drafts
-        )
-        tokens = verify_batch(
-            constrained,
-            drafts,
-            [self._match_vocab(proposals[i].probs, vocab_size) for i in ends],
-            [seq.params for seq in seqs],
-            [seq.output_token_ids if seq.params.has_penalties else [] for seq in seqs],
-            [seq.seeded_row_keys(len(d) + 1) for seq, d in zip(seqs, drafts, strict=True)],
-        )
-        logprobs = emitted_logprobs(
-            [seq.params.logprobs for seq in seqs], target_logits, drafts, tokens
-        )
-        for j, i in enumerate(ends):
-            verified[i] = (tokens[j], logprobs[j])
-        return verified
-
     def _accept_one(
         self,
         item: ScheduledSeq,
         proposal: Proposal,
         rows: torch.Tensor,  # [num_logits, vocab_size]: prompt positions (echo), then k + 1 verify rows
-        tokens: list[int],  # accepted drafts + the recovered or bonus token; [] for a prompt chunk
-        logprobs: list[TokenLogprob] | None,  # one per token where asked
+        outcome: Verified,
         step_spec: SpecStats,
     ) -> int:
         """Hand one request's verified tokens to the scheduler; returns the tokens emitted."""
@@ -341,7 +289,12 @@ class LLMEngine:
             else []
         )
         result = SeqResult(
-            tokens, k, proposal.source, proposal.num_draft_computed, logprobs, prompt_logprobs
+            outcome.tokens,
+            k,
+            proposal.source,
+            proposal.num_draft_computed,
+            outcome.logprobs,
+            prompt_logprobs,
         )
         if item.reaches_end:
             step_spec.add(result.num_drafts, result.num_accepted, result.proposer)
@@ -360,15 +313,6 @@ class LLMEngine:
             return []
         ids = [seq.token_ids[targets[j]] for j in keep]
         return logprobs_of(rows[keep], ids, seq.params.prompt_logprobs or 0)
-
-    @staticmethod
-    def _match_vocab(probs: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
-        """Draft and target may pad their embeddings differently; the tokenizer is the same."""
-        if probs is None or probs.shape[-1] == vocab_size:
-            return probs
-        if probs.shape[-1] > vocab_size:
-            return probs[:, :vocab_size]
-        return torch.nn.functional.pad(probs, (0, vocab_size - probs.shape[-1]))
 
     # ---- outputs ---------------------------------------------------------------------------
 
@@ -412,6 +356,9 @@ class LLMEngine:
 
     def _build_proposer(self) -> Proposer:
         spec = self.config.speculative
+        if spec.tree_width > 1 and not self._verifies_trees():
+            log.info("draft trees off: %s verifies chains only", self.config.model)
+            spec = dataclasses.replace(spec, tree_width=1)
         self._ngram = NgramProposer(spec) if "ngram" in spec.proposers else None
         self._eagle3: Eagle3Proposer | None = None
         if spec.method == "ngram":
@@ -455,6 +402,11 @@ class LLMEngine:
         self._eagle3 = Eagle3Proposer(head, self.target)
         return self._eagle3
 
+    def _verifies_trees(self) -> bool:
+        """A tree's mask hides keys by node, not by window; a sharded target's ranks are not led
+        the K/V moves of an accepted path."""
+        return self.target.tp is None and self.target.model.shape.sliding_window is None
+
     def _runners(self) -> list[ModelRunner]:
         return [self.target] if self.draft is None else [self.target, self.draft]
 
@@ -462,26 +414,3 @@ class LLMEngine:
         """Target and draft share block ids, so one block costs both pools' bytes."""
         per_block = sum(runner.kv_bytes_per_block for runner in self._runners())
         return num_kv_blocks(self.config, per_block)
-
-
-def _num_logits(item: ScheduledSeq, proposal: Proposal) -> int:
-    """Rows of target logits a request needs: every prompt position when it wants prompt logprobs,
-    else the last one where its chunk reaches the end; plus one per draft."""
-    base = item.num_new_tokens if item.seq.wants_prompt_logprobs else int(item.reaches_end)
-    return base + len(proposal.token_ids)
-
-
-def _verify_rows(
-    batch: list[ScheduledSeq],
-    proposals: list[Proposal],
-    logits: torch.Tensor,  # [sum(num_logits), vocab_size]
-) -> torch.Tensor:  # [num_tokens, vocab_size]: the last k + 1 rows of each request reaching the end
-    rows: list[int] = []
-    offset = 0
-    for item, proposal in zip(batch, proposals, strict=True):
-        offset += _num_logits(item, proposal)
-        if item.reaches_end:
-            rows.extend(range(offset - len(proposal.token_ids) - 1, offset))
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return logits[rows[0] : rows[0] + len(rows)]  # the usual case: no copy
-    return logits[rows]

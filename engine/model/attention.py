@@ -49,6 +49,10 @@ class RequestSpan:
     start_pos: int  # tokens already in the KV cache
     num_tokens: int  # new tokens in this pass
     block_table: Sequence[int]
+    # A draft tree's verify (engine/spec_decode/tree.py): [num_tokens, num_tokens] bool, which of
+    # this pass's tokens each query sees (its ancestors and itself); the cached context is seen
+    # whole. None: causal.
+    tree_mask: torch.Tensor | None = None
 
     @property
     def context_len(self) -> int:
@@ -181,10 +185,15 @@ def _build_group(
     causal = causal and (window is None or run[0].context_len <= window)
     first_keys = [skip * block_size for skip in skipped]
     kv_len = max_blocks * block_size
-    mask = None if causal else _mask(run, max_q, kv_len, uniform and short, window, first_keys)
+    trees = any(span.tree_mask is not None for span in run)
+    always = (uniform and short) or trees
+    mask = None if causal else _mask(run, max_q, kv_len, always, window, first_keys)
+    if trees and mask is not None:
+        mask = _with_tree_masks(mask, run)
     if short and mask is not None:
         mask = _bias(mask)
-    native = short and window is None
+    # the native kernel attends causally, without a window: such groups keep the gathered path
+    native = short and window is None and not trees
     return AttentionGroup(
         token_start=token_start,
         token_end=token_start + num_tokens,
@@ -249,6 +258,19 @@ def _mask(
     if window is not None:
         mask &= keys > last_key[:, :, None] - window
     return mask[:, None]
+
+
+def _with_tree_masks(
+    mask: torch.Tensor,  # [batch, 1, max_q, kv_len] bool, causal
+    run: list[RequestSpan],
+) -> torch.Tensor:  # [batch, 1, max_q, kv_len]
+    """A tree's queries see the cached context and, of this pass's tokens, their ancestors
+    and themselves (sliding-window models draft no trees: keys here start at position 0)."""
+    for b, span in enumerate(run):
+        if span.tree_mask is not None:
+            n, start = span.num_tokens, span.start_pos
+            mask[b, 0, :n, start : start + n] = span.tree_mask
+    return mask
 
 
 def _bias(mask: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,23 @@ class ForwardInput:
     # last) they attend, and take the GEMM path, as a query of their own: each row then runs on
     # the kernels it runs on in plain decoding, so speculation changes no output.
     num_drafts: int = 0
+    # The drafts form a tree (engine/spec_decode/tree.py): each draft's parent among them, -1 for
+    # the token before the drafts. Draft i is rotated at its depth's position but its K/V goes
+    # to the slot of position start_pos + known + i, and it attends to its ancestors only.
+    # None: a chain.
+    draft_parents: tuple[int, ...] | None = None
+
+    def positions(self) -> list[int]:
+        """The rope position of each token: consecutive, except a tree's drafts (by depth)."""
+        n = len(self.token_ids)
+        if self.draft_parents is None:
+            return list(range(self.start_pos, self.start_pos + n))
+        known = n - self.num_drafts
+        depths: list[int] = []
+        for p in self.draft_parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        base = self.start_pos + known - 1
+        return list(range(self.start_pos, base + 1)) + [base + d for d in depths]
 
 
 class ModelRunner:
@@ -140,10 +157,27 @@ class ModelRunner:
     def aux_hidden(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """The kept aux hidden states of positions [start, end): [end - start, n * hidden]."""
         assert self.aux_pool is not None, "keep_aux_hidden and allocate_kv_cache first"
-        positions = torch.arange(start, end)
-        blocks = torch.tensor(block_table, dtype=torch.int64)[positions // self.block_size]
-        slots = blocks * self.block_size + positions % self.block_size
-        return self.aux_pool[slots.to(self.device)]
+        return self.aux_pool[self._slots(block_table, list(range(start, end)))]
+
+    def move_kv(self, block_table: list[int], moves: list[tuple[int, int]]) -> None:
+        """Copy K/V (and kept aux hidden states) from position `src` to `dst` for each
+        (src, dst): a draft tree's accepted path, put in position order after its verify."""
+        if not moves:
+            return
+        if self.tp is not None:
+            raise ValueError("K/V moves are not led to a sharded model's ranks")
+        src, dst = (self._slots(block_table, [m[i] for m in moves]) for i in (0, 1))
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(cache.shape[0], -1, cache.shape[-1])  # [kv_heads, slots, dim]
+                flat[:, dst] = flat[:, src]  # the right side is gathered first: overlaps are safe
+        if self.aux_pool is not None:
+            self.aux_pool[dst] = self.aux_pool[src]
+
+    def _slots(self, block_table: list[int], positions: list[int]) -> torch.Tensor:
+        pos = torch.tensor(positions, dtype=torch.int64)
+        blocks = torch.tensor(block_table, dtype=torch.int64)[pos // self.block_size]
+        return (blocks * self.block_size + pos % self.block_size).to(self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.tp is not None:
@@ -235,12 +269,28 @@ def _spans(inp: ForwardInput) -> list[RequestSpan]:
     """The attention's requests for one input: a chunk with drafts behind it is two."""
     n, drafts = len(inp.token_ids), inp.num_drafts
     if drafts == 0 or n - drafts <= 1:
-        return [RequestSpan(inp.start_pos, n, inp.block_table)]
+        return [RequestSpan(inp.start_pos, n, inp.block_table, _tree_mask(inp, n - drafts))]
     known = n - drafts
     return [
         RequestSpan(inp.start_pos, known, inp.block_table),
-        RequestSpan(inp.start_pos + known, drafts, inp.block_table),
+        RequestSpan(inp.start_pos + known, drafts, inp.block_table, _tree_mask(inp, 0)),
     ]
+
+
+def _tree_mask(inp: ForwardInput, known: int) -> torch.Tensor | None:
+    """[known + drafts, known + drafts] bool for a span of `known` tokens (0 or 1) and the
+    drafts behind them: causal among the known, a draft sees them, its ancestors and itself."""
+    if inp.draft_parents is None:
+        return None
+    n = known + inp.num_drafts
+    mask = torch.ones(n, n, dtype=torch.bool).tril_()
+    for i, p in enumerate(inp.draft_parents):
+        row = known + i
+        mask[row, known:] = False
+        if p >= 0:
+            mask[row, known : known + p + 1] = mask[known + p, known : known + p + 1]
+        mask[row, row] = True
+    return mask
 
 
 def _flatten(
@@ -258,7 +308,7 @@ def _flatten(
             raise ValueError(f"block table of {len(inp.block_table)} blocks too short")
         rows.extend(range(len(ids) + n - inp.num_logits, len(ids) + n))
         ids.extend(inp.token_ids)
-        positions.extend(range(inp.start_pos, inp.start_pos + n))
+        positions.extend(inp.positions())
     as_long = torch.int64
     return (
         torch.tensor(ids, dtype=as_long),

@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from engine.sequence import ScheduledSeq
+from engine.spec_decode.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,13 @@ class Proposal:
     # The draft model's K/V frontier after this step (positions it has computed, rejected drafts
     # included); None when the draft model did not run for this request. The scheduler applies it.
     num_draft_computed: int | None = None
+    # A tree (engine/spec_decode/tree.py): each draft's parent index, -1 for a child of the
+    # request's last token; None: a chain. Its probs row i is the q node i was drawn from.
+    parents: tuple[int, ...] | None = None
+
+    @property
+    def tree(self) -> DraftTree | None:
+        return None if self.parents is None else DraftTree(tuple(self.token_ids), self.parents)
 
     @staticmethod
     def empty() -> Proposal:

@@ -8,7 +8,8 @@ and everything else (prompt chunks, other devices, float16, compiled graphs) kee
 path.
 
 A row's result does not depend on the query it is part of (its length, its tile, the batch),
-so a verify row equals the decode of its position bit for bit. Prompt chunks stay on SDPA,
+so a verify row equals the decode of its position bit for bit; with a sliding window too
+(Gemma 3's local layers read only the blocks their window reaches). Prompt chunks stay on SDPA,
 several times faster there (AMX / AVX512-BF16 GEMM tiles); drafts behind a prompt chunk are a
 query of their own (engine.model.runner `_spans`), so no row changes kernel between plain and
 speculative decoding.
@@ -68,9 +69,12 @@ def paged_attention(
     scale: float,
     isa: str = "auto",  # "scalar", "avx2", "avx512" or "avx512bf16" to pin a variant (tests)
     split_tokens: int = 256,  # a request's context is split into ranges of this many tokens
+    window: int = 0,  # a sliding-window layer's: the query at p sees keys (p - window, p]; 0: all
 ) -> torch.Tensor:  # [tokens, heads, head_dim]
+    """With a window, request b's block table starts at its block
+    max(0, start_pos[b] + 1 - window) // block_size (the first its first query sees)."""
     out: torch.Tensor = torch.ops.specserve_kernels.paged_attention(
         q.contiguous(), k_cache, v_cache, block_tables, start_pos, query_lens, scale, isa,
-        split_tokens,
+        split_tokens, window,
     )  # fmt: skip
     return out

@@ -6,7 +6,10 @@
 // bfloat16). Request b has start[b] tokens in the cache before this pass and qlen[b] new ones
 // (already written to the pool); its queries are rows qoffset[b] .. qoffset[b] + qlen[b] of q
 // [tokens, heads, head_dim]. Query j sees keys [0, start[b] + j]: the causal mask among a verify
-// query's own tokens.
+// query's own tokens. A sliding-window layer's (window > 0) sees only the last `window` of them,
+// keys (start[b] + j - window, start[b] + j]; its block table then starts at the request's block
+// max(0, start[b] + 1 - window) / block_size, the first its first query sees, and only the
+// blocks a query's window reaches are read.
 //
 // Work: one item per (request, KV head, range of blocks, tile of up to 16 queries). An item takes
 // the group's query heads of that KV head (GQA: every key is loaded once for all of them) times
@@ -26,7 +29,11 @@
 //
 // Batch invariance: a row's arithmetic depends on its own position and context only (never on
 // the query length, the tile, the batch or the threads), so a verify row equals the decode of
-// its position bit for bit; tests/test_attention_kernel.py pins it for every variant.
+// its position bit for bit; tests/engine/kernels/test_attention_kernel.py pins it for every
+// variant. With a window too: the ranges stay aligned to multiples of split_tokens from key 0
+// (a range before a row's window is one it sees none of, dropped by the merge), and keys an
+// item reads before a row's window score -inf, adding exact zeros to its sums
+// (test_attention_window.py).
 //
 // ISA: AMX-BF16 (bfloat16 caches in blocks of 16: the scores of a block for 16 rows in one
 // `tdpbf16ps` per 32 dims, from the keys as stored), AVX512-BF16 (bfloat16 caches: the scores
@@ -183,16 +190,23 @@ constexpr int64_t kQueryTile = 16;
 
 struct Batch {
   std::vector<int64_t> start, qlen, qoffset, splits;
+  std::vector<int64_t> skip;  // blocks before a request's table starts (its first query's window)
   std::vector<Item> items;
   int64_t total_rows = 0;
 };
 
+// The first block a query at `pos` sees through a window (0 without one).
+int64_t window_block(int64_t pos, int64_t window, int64_t block_size) {
+  return window > 0 ? std::max<int64_t>(0, pos + 1 - window) / block_size : 0;
+}
+
 // Ranges per (request, KV head) of split_tokens each (the last one shorter). The split depends
 // on the request's own context only, never on the batch or the thread count, so a request's
 // output does not change with what it is batched with (and a tensor-parallel rank, holding
-// some KV heads, computes each head as the whole model would).
+// some KV heads, computes each head as the whole model would). With a window, the ranges before
+// the first query's window are left out, and each item starts at its first query's window.
 Batch plan(const at::Tensor& start, const at::Tensor& qlen, int64_t kv_heads, int64_t group,
-           int64_t block_size, int64_t max_blocks, int64_t split_tokens) {
+           int64_t block_size, int64_t max_blocks, int64_t split_tokens, int64_t window) {
   Batch p;
   const int64_t batch = start.size(0);
   const auto* s = start.data_ptr<int64_t>();
@@ -201,18 +215,23 @@ Batch plan(const at::Tensor& start, const at::Tensor& qlen, int64_t kv_heads, in
   int64_t offset = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t blocks = (s[b] + q[b] + block_size - 1) / block_size;
-    TORCH_CHECK(q[b] >= 1 && blocks <= max_blocks, "paged_attention: bad request ", b);
-    const int64_t splits = (blocks + split_blocks - 1) / split_blocks;
+    const int64_t skip = window_block(s[b], window, block_size);
+    TORCH_CHECK(q[b] >= 1 && blocks - skip <= max_blocks, "paged_attention: bad request ", b);
+    const int64_t first_split = skip / split_blocks;
+    const int64_t splits = (blocks + split_blocks - 1) / split_blocks - first_split;
     p.start.push_back(s[b]);
     p.qlen.push_back(q[b]);
     p.qoffset.push_back(offset);
     p.splits.push_back(splits);
+    p.skip.push_back(skip);
     offset += q[b];
     for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t i = 0; i < splits; ++i) {
-        for (int64_t j = 0; j < q[b]; j += kQueryTile)
-          p.items.push_back({b, h, i * split_blocks, std::min(blocks, (i + 1) * split_blocks),
-                            p.total_rows, j, std::min(q[b], j + kQueryTile)});
+      for (int64_t i = first_split; i < first_split + splits; ++i) {
+        for (int64_t j = 0; j < q[b]; j += kQueryTile) {
+          const int64_t begin = std::max(i * split_blocks, window_block(s[b] + j, window, block_size));
+          p.items.push_back({b, h, begin, std::min(blocks, (i + 1) * split_blocks), p.total_rows, j,
+                             std::min(q[b], j + kQueryTile)});
+        }
         p.total_rows += group * q[b];
       }
   }
@@ -221,8 +240,8 @@ Batch plan(const at::Tensor& start, const at::Tensor& qlen, int64_t kv_heads, in
 
 template <typename T>
 void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
-               const at::Tensor& v_cache, const at::Tensor& tables, float scale, Isa isa,
-               float* m, float* l, float* acc) {
+               const at::Tensor& v_cache, const at::Tensor& tables, float scale, int64_t window,
+               Isa isa, float* m, float* l, float* acc) {
   const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1);
   const int64_t block_size = k_cache.size(2), group = heads / kv_heads;
@@ -235,7 +254,7 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
   // where block n of an item's range starts in each cache; null past the item's last block
   const auto block = [&](const Item& it, int64_t n) -> std::optional<int64_t> {
     if (it.block_begin + n >= it.block_end) return std::nullopt;
-    const int64_t id = tp[it.b * max_blocks + it.block_begin + n];
+    const int64_t id = tp[it.b * max_blocks + it.block_begin + n - p.skip[it.b]];
     TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention: block id out of range");
     return ((it.h * num_blocks) + id) * block_size * dim;
   };
@@ -281,7 +300,7 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
         nkeys[n] = std::min(block_size, start + qn - (it.block_begin + n) * block_size);
       }
       Range<T> a{qrows.data(), queries_f32.get(rows * dim), limit.data(), kb.data(), vb.data(), nkeys.data(),
-                 it.block_begin * block_size, rows, nblocks, block_size, dim, slots, scale,
+                 it.block_begin * block_size, rows, nblocks, block_size, dim, slots, window, scale,
                  scores.get(std::max<int64_t>(rows, 16) * nblocks * slots), kf, kt, &feed, fed, {}};
       for (int64_t n = 0; n < kFeedBlocks && i + 1 < hi; ++n) {
         const std::optional<int64_t> next = block(p.items[i + 1], n);
@@ -337,7 +356,8 @@ void merge(const Batch& p, int64_t heads, int64_t kv_heads, int64_t dim, const f
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& start_pos, const at::Tensor& query_lens,
-                           double scale, const std::string& isa_name, int64_t split_tokens) {
+                           double scale, const std::string& isa_name, int64_t split_tokens,
+                           int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q [tokens, heads, dim], caches [kv_heads, blocks, block, dim]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -353,8 +373,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(start.size(0) == qlen.size(0) && block_tables.size(0) == start.size(0),
               "paged_attention: one block table, start and length per request");
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0);
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none)");
   const Batch p = plan(start, qlen, kv_heads, heads / kv_heads, k_cache.size(2),
-                       block_tables.size(1), split_tokens);
+                       block_tables.size(1), split_tokens, window);
   TORCH_CHECK(p.qoffset.empty() || p.qoffset.back() + p.qlen.back() == q.size(0),
               "paged_attention: query lengths must sum to q's tokens");
   const Isa isa = pick(isa_name, dim, q.scalar_type() == at::kBFloat16, k_cache.size(2));
@@ -362,11 +383,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   at::Tensor out = at::empty_like(q);
   const float s = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    run_items<float>(p, q, k_cache, v_cache, block_tables, s, isa, m.data(), l.data(), acc.data());
+    run_items<float>(p, q, k_cache, v_cache, block_tables, s, window, isa, m.data(), l.data(), acc.data());
     merge<float>(p, heads, kv_heads, dim, m.data(), l.data(), acc.data(), out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention: float32 or bfloat16");
-    run_items<c10::BFloat16>(p, q, k_cache, v_cache, block_tables, s, isa, m.data(), l.data(),
+    run_items<c10::BFloat16>(p, q, k_cache, v_cache, block_tables, s, window, isa, m.data(), l.data(),
                              acc.data());
     merge<c10::BFloat16>(p, heads, kv_heads, dim, m.data(), l.data(), acc.data(), out);
   }
@@ -379,6 +400,6 @@ TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor start_pos, Tensor query_lens, float scale, str isa='auto', "
-      "int split_tokens=256) -> Tensor",
+      "int split_tokens=256, int window=0) -> Tensor",
       &specserve::paged_attention);
 }

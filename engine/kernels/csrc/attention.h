@@ -50,8 +50,9 @@ struct Feed {
 constexpr int64_t kFeedBlocks = 2;
 
 // What an item's kernels read: `rows` query rows against the blocks of one range of a request's
-// context. Keys at positions < limit[r] are visible to row r (its causal limit); a block's slots
-// past its keys, and keys a row does not see, score -inf.
+// context. Keys at positions < limit[r] are visible to row r (its causal limit), and with a
+// window only the last `window` of them (positions >= limit[r] - window); a block's slots past
+// its keys, and keys a row does not see, score -inf.
 template <typename T>
 struct Range {
   const T* q;             // [rows, dim] as stored
@@ -63,6 +64,7 @@ struct Range {
   int64_t first;          // position of the range's first key
   int64_t rows, nblocks, block_size, dim;
   int64_t slots;          // score slots per block: block_size rounded up to 16
+  int64_t window;         // a sliding-window layer's: keys a row sees (0: all before its limit)
   float scale;
   float* scores;          // scratch [max(rows, 16), nblocks * slots]: scores, then probabilities
                           // (row-major; the AMX kernel's key-major [nblocks * 16][16 rows])
@@ -78,7 +80,28 @@ struct Range {
   int64_t visible(int64_t r, int64_t i) const {
     return std::clamp<int64_t>(limit[r] - (first + i * block_size), 0, nkeys[i]);
   }
+  // Slots of block i before row r's window: a prefix of the block (none without a window).
+  int64_t before_window(int64_t r, int64_t i) const {
+    if (window <= 0) return 0;
+    return std::clamp<int64_t>(limit[r] - window - (first + i * block_size), 0, slots);
+  }
 };
+
+// A sliding window on top of the causal scores the kernels wrote (row-major scores): the keys
+// before each row's window score -inf. Only the range's leading blocks hold any (the items
+// start at the block of their first row's window), so this touches a block or two per row, and
+// every kernel's softmax and values read the masked scores as the causal ones (e^-inf = 0), so a
+// row's arithmetic is the same wherever its range starts.
+template <typename T>
+inline void mask_window(const Range<T>& a) {
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int64_t i = 0; i < a.nblocks; ++i) {
+      const int64_t n = a.before_window(r, i);
+      if (n == 0) break;
+      float* s = a.scores + r * a.stride() + i * a.slots;
+      std::fill(s, s + n, kNegInf);
+    }
+}
 
 // The scores pass reads the keys block by block, then the values pass the values: while block
 // i's scores are computed, the feed brings in block i + kFeedBlocks's keys, past the last block
@@ -120,6 +143,7 @@ constexpr bool kPermutedAcc = false;
 template <class K, typename T>
 void attend(const Range<T>& a, RowState st) {
   K::scores(a);
+  if (a.window > 0) mask_window(a);
   for (int64_t r = 0; r < a.rows; ++r)
     st.m[r] = K::softmax(a.scores + r * a.stride(), a.stride(), st.l + r);
   std::fill(st.acc, st.acc + a.rows * a.dim, 0.f);

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "attention_avx512.h"
@@ -282,6 +283,9 @@ struct Amx {
     alignas(64) int32_t limit[16];
     for (int64_t r = 0; r < 16; ++r) limit[r] = r < nr ? static_cast<int32_t>(a.limit[r0 + r]) : 0;
     const __m512i lim = _mm512_load_si512(limit);
+    // a row's first visible key: its window's (without a window, every key from 0)
+    const __m512i low = a.window > 0 ? _mm512_sub_epi32(lim, _mm512_set1_epi32(int32_t(a.window)))
+                                     : _mm512_set1_epi32(std::numeric_limits<int32_t>::min());
     float* s = a.scores;  // [nblocks * 16 keys][16 rows]
     for (int64_t i = 0; i < a.nblocks; ++i) {
       _tile_zero(0);
@@ -294,7 +298,8 @@ struct Amx {
       _tile_stored(0, block, 64);
       const int64_t first = a.first + i * 16;
       for (int64_t t = 0; t < 16; ++t) {  // round, scale; -inf where a row does not see the key
-        const __mmask16 seen = t < a.nkeys[i] ? _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(int32_t(first + t))) : 0;
+        const __m512i pos = _mm512_set1_epi32(int32_t(first + t));
+        const __mmask16 seen = t < a.nkeys[i] ? _mm512_mask_cmpge_epi32_mask(_mm512_cmpgt_epi32_mask(lim, pos), pos, low) : 0;
         const __m512 v = _mm512_mul_ps(round_bf16(_mm512_load_ps(block + t * 16)), _mm512_set1_ps(a.scale));
         _mm512_store_ps(block + t * 16, _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), seen, v));
       }

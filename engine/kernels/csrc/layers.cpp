@@ -139,7 +139,7 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
       const at::Tensor q = fused::rope_write_kv(qk, v, cos, sin, k_cache, v_cache, slots, heads_);
       const at::Tensor attended = paged_attention(q, k_cache, v_cache, block_tables, start_pos, query_lens,
-                                                  scale_, "auto", 256);  // [T, heads, D]
+                                                  scale_, "auto", 256, 0);  // [T, heads, D]
       x = layer.o(attended.view({tokens, q_size}).to(at::kFloat).contiguous());
       std::tie(h, residual) = fused::add_rmsnorm(x, residual, layer.post_norm, eps_, at::kFloat, "auto");
       x = layer.down(fused::silu_mul(layer.gate_up(h), dtype, at::kFloat, "auto"));

@@ -74,8 +74,12 @@ def hf_outputs(model_dir: Path) -> list[list[int]]:
     return [hf_greedy(model_dir, p, MAX_TOKENS) for p in batched_prompts()]
 
 
-def assert_greedy_equals_transformers(kind: str, model_dir: Path, draft_dir: Path) -> None:
-    """Six requests batched, prompts in chunks of at most 9 tokens; `kind`: none, ngram, draft."""
+def assert_greedy_equals_transformers(
+    kind: str, model_dir: Path, draft_dir: Path, reference: Path | None = None, **engine: object
+) -> None:
+    """Six requests batched, prompts in chunks of at most 9 tokens; `kind`: none, ngram, draft.
+    `reference`: transformers' model to match when `model_dir` is not one (a GGUF file);
+    `engine`: EngineConfig fields (quantization)."""
     spec = {
         "none": SpeculativeConfig(),
         "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
@@ -83,5 +87,5 @@ def assert_greedy_equals_transformers(kind: str, model_dir: Path, draft_dir: Pat
             method="draft", num_speculative_tokens=3, draft_model=str(draft_dir), adaptive=False
         ),
     }[kind]
-    engine = make_engine(model_dir, speculative=spec, max_num_batched_tokens=9)
-    assert outputs(engine, batched_prompts(), greedy(MAX_TOKENS)) == hf_outputs(model_dir)
+    llm = make_engine(model_dir, speculative=spec, max_num_batched_tokens=9, **engine)
+    assert outputs(llm, batched_prompts(), greedy(MAX_TOKENS)) == hf_outputs(reference or model_dir)

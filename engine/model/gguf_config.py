@@ -16,6 +16,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.model.gguf_dense import OWN_CONFIG_ARCHS, complete_phi3, own_config
 from engine.model.quant.gguf_file import read_gguf_metadata
 
 _GEMMA3_PATTERN = 6  # llama.cpp's set_swa_pattern(6): layers 5, 11, 17, ... are global
@@ -25,10 +26,14 @@ _GEMMA3_27B_LAYERS = 62  # the one size whose attention scale is not head_dim's
 
 def gguf_config(path: Path) -> PretrainedConfig:
     """transformers' config of the GGUF at `path`, with what it leaves out read from the file."""
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     meta = read_gguf_metadata(path)
+    if meta.get("general.architecture") in OWN_CONFIG_ARCHS:
+        return own_config(path, meta)
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     if meta.get("general.architecture") == "gemma3":
         _complete_gemma3(config, meta)
+    if meta.get("general.architecture") == "phi3":
+        complete_phi3(config, meta, path)
     return config
 
 

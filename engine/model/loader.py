@@ -30,6 +30,7 @@ from engine.config import Quantization
 from engine.model.decoder import WeightValue
 from engine.model.families import ARCHITECTURE_OF_MODEL_TYPE, check_supported, split_fused
 from engine.model.gguf_config import gguf_config
+from engine.model.gguf_dense import OWN_CONFIG_ARCHS, gguf_tokenizer
 from engine.model.quantization import quantization_for_weights
 
 _CONVERTED_DONE = "specserve-converted.json"
@@ -182,9 +183,9 @@ def gguf_metadata(path: Path) -> Path:
 
 
 def _save_config_and_tokenizer(path: Path, out: Path) -> None:
-    _checked_gguf_config(path).save_pretrained(str(out))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tokenizer.save_pretrained(str(out))
+    config = _checked_gguf_config(path)
+    config.save_pretrained(str(out))
+    _gguf_tokenizer(path, config).save_pretrained(str(out))
     (out / _CONVERTED_DONE).write_text(json.dumps({"source": str(path.resolve())}) + "\n")
 
 
@@ -240,18 +241,38 @@ def _convert_gguf(path: Path, out: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = _checked_gguf_config(path)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)  # only for the tensor name map
-    parsed = load_gguf_checkpoint(
-        str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.bfloat16
-    )
-    save_file(parsed["tensors"], str(out / "model.safetensors"), metadata={"format": "pt"})
-    del parsed
+    if config.model_type in OWN_CONFIG_ARCHS.values():  # transformers cannot read these files
+        tensors = _own_dequantized(path, config)
+    else:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)  # only for the tensor name map
+        parsed = load_gguf_checkpoint(
+            str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.bfloat16
+        )
+        tensors = parsed.pop("tensors")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
     config.dtype = torch.bfloat16
     config.save_pretrained(str(out))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tokenizer.save_pretrained(str(out))
+    _gguf_tokenizer(path, config).save_pretrained(str(out))
     (out / _CONVERTED_DONE).write_text(json.dumps({"source": str(path.resolve())}) + "\n")
+
+
+def _own_dequantized(path: Path, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of a file transformers cannot read, dequantized by gguf's own reference under
+    transformers' names (q/k unpermuted, as `read_gguf_weights` gives them), in bfloat16."""
+    from engine.model.quant.gguf_weights import read_gguf_weights
+
+    weights = read_gguf_weights(path, config, exact=True)
+    return {name: value.to(torch.bfloat16) for name, value in weights}  # type: ignore[union-attr]
+
+
+def _gguf_tokenizer(path: Path, config: PretrainedConfig) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer of the file; for an architecture its GGUF reader refuses, the
+    one built from the file's vocabulary alone (engine.model.gguf_dense)."""
+    if config.model_type in OWN_CONFIG_ARCHS.values():
+        return gguf_tokenizer(path)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def check_same_vocab(target_tokenizer: object, draft_tokenizer: object) -> None:

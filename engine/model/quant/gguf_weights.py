@@ -26,6 +26,7 @@ from engine.model.quant.formats import (
     cat_rows,
     quantize_int8,
 )
+from engine.model.quant.gguf_experts import MOE_ARCHS, expert_names, num_experts, split_experts
 from engine.model.quant.gguf_file import GgufTensorInfo, read_gguf
 
 _Q4_K_BLOCK = 144  # bytes per 256 values: d (f16), dmin (f16), 12 bytes of scales, 128 of q
@@ -42,12 +43,22 @@ _HF_SUFFIXES = (
     "input_layernorm",
     "post_attention_layernorm",
 )
-# Gemma's norms after each sublayer: named only for it (gguf maps pre_feedforward_layernorm to
-# ffn_norm, which is post_attention_layernorm in the other families)
-_SANDWICH_SUFFIXES = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-_SANDWICH_ARCHS = ("gemma3",)
-# GGUF architectures whose q/k rows llama.cpp's converter permuted (transformers undoes it).
-_PERMUTED_ARCHS = ("llama",)
+# Names only some architectures hold, each in its own table: Gemma's norms after each sublayer
+# (gguf maps pre_feedforward_layernorm to ffn_norm, which is post_attention_layernorm in the other
+# families), OLMo 2's norm after the MLP, and the fused q/k/v and gate/up of Phi-3 (whose ffn_up
+# holds gate and up: up_proj is not its name there)
+_FUSED_SUFFIXES = ("self_attn.qkv_proj", "mlp.gate_up_proj")
+_ARCH_SUFFIXES = {
+    "gemma3": ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "olmo2": ("post_feedforward_layernorm",),
+    "phi3": _FUSED_SUFFIXES,
+}
+_GATE_UP_FUSED_ARCHS = ("phi3",)
+# GGUF architectures whose q/k rows llama.cpp's converter permuted (LlamaModel.permute, which
+# Granite's and SmolLM3's converters inherit; transformers undoes it for llama).
+_PERMUTED_ARCHS = ("llama", "granite", "smollm3")
+# tensors that are config, not weights (engine.model.gguf_dense reads them)
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # GGUF architectures whose norm weights llama.cpp's converter stored as 1 + w (Gemma's norms
 # scale by 1 + w): w is that minus 1 in float32, and 1 + w gives the file's value back exactly
 # wherever it is at least 1/2 (Sterbenz), within half an ulp of it below that.
@@ -88,7 +99,12 @@ def read_gguf_weights(
     with `blocks`, the native kernels' formats kept as the file's blocks."""
     arch, tensors = read_gguf(path)
     names = _hf_names(arch, int(config.num_hidden_layers))
+    if arch in MOE_ARCHS:  # stacked experts: one matrix each, named as transformers names them
+        tensors = split_experts(tensors, num_experts(config))
+        names |= expert_names(arch, int(config.num_hidden_layers), num_experts(config))
     for tensor in tensors:
+        if tensor.name in _CONFIG_TENSORS:
+            continue
         base, _, suffix = tensor.name.rpartition(".")
         if base not in names:
             raise ValueError(f"{path.name}: tensor {tensor.name!r} has no transformers name")
@@ -118,7 +134,9 @@ def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
     """GGUF base name ("blk.0.attn_q") -> transformers base name, from gguf's own name map."""
     arch_of_name = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
     table = gguf.get_tensor_name_map(arch_of_name[arch], num_layers)
-    suffixes = _HF_SUFFIXES + (_SANDWICH_SUFFIXES if arch in _SANDWICH_ARCHS else ())
+    suffixes = _HF_SUFFIXES + _ARCH_SUFFIXES.get(arch, ())
+    if arch in _GATE_UP_FUSED_ARCHS:
+        suffixes = tuple(s for s in suffixes if s != "mlp.up_proj")
     hf = ["model.embed_tokens", "model.norm", "lm_head"]
     hf += [f"model.layers.{i}.{s}" for i in range(num_layers) for s in suffixes]
     out = {}

@@ -76,14 +76,20 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         for runner in self._runners():
             runner.allocate_kv_cache(num_blocks)
+            runner.allocate_states(config.max_num_seqs)
             runner.warm_up()
         if self.planner is not None:
             self._calibrate(num_blocks)
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
-        )
+        # a hybrid's linear layers keep no state per block that a cached prefix could resume from
+        caching = config.enable_prefix_caching and not self.target.is_hybrid
+        self.block_manager = BlockManager(num_blocks, config.block_size, caching)
         self.scheduler = Scheduler(
-            config, self.block_manager, self.max_model_len, self.planner, self.eos_token_ids
+            config,
+            self.block_manager,
+            self.max_model_len,
+            self.planner,
+            self.eos_token_ids,
+            self.target.num_state_slots,
         )
         self.seqs: dict[str, Sequence] = {}
         self.last_stats: StepStats | None = None
@@ -157,6 +163,7 @@ class LLMEngine:
         drafted = time.perf_counter()
         logits = self.target.forward(verify_inputs(batch.scheduled, proposals))
         stats = self._accept(batch.scheduled, proposals, logits)
+        self.target.commit_states(self.scheduler.state_commits(batch.scheduled))  # hybrid rollback
         stats.num_preemptions = batch.num_preempted
         self._observe(time.perf_counter() - started, drafted - planned, stats)
         self.last_stats = stats

@@ -17,11 +17,13 @@ from engine.model.decode_graph import DecodeGraph
 from engine.model.decoder import DecoderModel, KVCache
 from engine.model.device import TimingMark, elapsed_seconds, start_timing, stop_timing
 from engine.model.families import build_decoder
+from engine.model.hybrid import HybridDecoderModel, num_kv_layers
 from engine.model.loader import LoadedModel
 from engine.model.quant.native import forward_chunks
 from engine.model.quantize import WeightSummary, quantize_mode, summarize, swap_in_quantized
 from engine.model.rope import rope_positions_limit
 from engine.model.sharding import shard_decoder
+from engine.model.state_pool import StateBatch, StateCommit, StatePool
 from engine.model.tensor_parallel import TensorParallel, tensor_parallel_for
 
 log = logging.getLogger("specserve.engine")
@@ -50,6 +52,9 @@ class ForwardInput:
     # to the slot of position start_pos + known + i, and it attends to its ancestors only.
     # None: a chain.
     draft_parents: tuple[int, ...] | None = None
+    # A hybrid model's request: its slot in the runner's StatePool (engine.model.state_pool),
+    # which the scheduler hands out; None: a scratch slot (the start-up timing forwards).
+    state_slot: int | None = None
 
     def positions(self) -> list[int]:
         """The rope position of each token: consecutive, except a tree's drafts (by depth)."""
@@ -104,6 +109,8 @@ class ModelRunner:
         # (rows, start, stop) of each forward since the engine last took them; None: not timed.
         # Marks, not seconds: on CUDA they are events, read once per step (take_timings).
         self.timings: list[tuple[int, TimingMark, TimingMark]] | None = None
+        # a hybrid model's linear-attention states, one slot per running request
+        self.states: StatePool | None = None
 
     @property
     def hf_config(self) -> PretrainedConfig:
@@ -143,13 +150,14 @@ class ModelRunner:
         s = self.model.shape
         element = torch.empty((), dtype=self.dtype).element_size()
         aux = len(self.model.aux_layers) * s.hidden_size  # an EAGLE-3 head's features, if kept
-        return (2 * s.num_layers * s.num_kv_heads * s.head_dim + aux) * self.block_size * element
+        kv = 2 * num_kv_layers(self.model) * s.num_kv_heads * s.head_dim
+        return (kv + aux) * self.block_size * element
 
     def keep_aux_hidden(self, layers: tuple[int, ...]) -> None:
         """Keep the stream entering these layers for every position computed (an EAGLE-3 head's
         features; call before allocate_kv_cache). The one-call native stack is skipped from now on."""
-        if self.tp is not None:
-            raise ValueError("aux hidden states are not kept for a sharded model")
+        if self.tp is not None or self.is_hybrid:
+            raise ValueError("aux hidden states are kept for a dense, unsharded model only")
         if not all(0 <= j <= self.model.shape.num_layers for j in layers):
             raise ValueError(f"aux layers {layers} not in [0, {self.model.shape.num_layers}]")
         self.model.aux_layers = tuple(sorted(set(layers)))
@@ -187,7 +195,7 @@ class ModelRunner:
         # K and V tensors of their own, not views of one: a compiled graph (DecodeGraph) that
         # writes into a view of its input copies the whole base back (the pool, every layer)
         self.kv_caches = []
-        for _ in range(s.num_layers):
+        for _ in range(num_kv_layers(self.model)):
             self.kv_caches.append((self._zeros(shape), self._zeros(shape)))
         if self.model.aux_layers:
             width = len(self.model.aux_layers) * s.hidden_size
@@ -239,6 +247,39 @@ class ModelRunner:
             self.timings = []
         return [(rows, elapsed_seconds(start, stop)) for rows, start, stop in taken]
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Linear-attention layers with a recurrent state per request (Qwen3.5)."""
+        return isinstance(self.model, HybridDecoderModel)
+
+    def allocate_states(self, num_slots: int) -> None:
+        """A hybrid model's state pool, a slot per running request (max_num_seqs); else nothing."""
+        model = self.model
+        if isinstance(model, HybridDecoderModel):
+            if self.tp is not None:
+                raise ValueError("tensor parallelism does not shard linear-attention layers")
+            linear, n = model.linear_shape, len(model.linear_layers)
+            shapes = (linear.conv_state_shape, linear.recurrent_state_shape)
+            self.states = StatePool(*shapes, n, num_slots, self.device, self.dtype)
+            log.info("%d state slots: %.1f MiB", num_slots, self.states.nbytes / (1 << 20))
+
+    @property
+    def num_state_slots(self) -> int:
+        return 0 if self.states is None else self.states.num_slots
+
+    def commit_states(self, commits: list[StateCommit]) -> None:
+        """After accept: each verified request's state at its last accepted token (a hybrid's)."""
+        if self.states is not None:
+            self.states.commit(commits)
+
+    def _state_batch(self, inputs: list[ForwardInput]) -> list[StateBatch]:
+        if self.states is None:
+            return []
+        if any(i.draft_parents is not None for i in inputs):
+            raise ValueError("draft trees need a state per branch: a hybrid model verifies chains")
+        spans = [(len(i.token_ids), i.start_pos, i.state_slot, i.num_drafts) for i in inputs]
+        return [self.states.batch(StateBatch.segments_of(spans, self.states.num_slots))]
+
     def _forward(
         self, inputs: list[ForwardInput], device_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -256,6 +297,7 @@ class ModelRunner:
                 positions.to(self.device, non_blocking=True),
                 self.kv_caches,
                 meta,
+                *self._state_batch(inputs),
             )  # [num_tokens, hidden]
             if self.aux_pool is not None and self.model.aux_hidden is not None:
                 self.aux_pool[meta.slot_mapping] = self.model.aux_hidden

@@ -45,6 +45,8 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, runner: ModelRunner, p_min: float = 0.0) -> None:
+        if runner.is_hybrid:  # its frontier rolls back by position; a recurrent state cannot
+            raise ValueError("a hybrid (linear-attention) model cannot be the draft model")
         self.runner = runner
         self.p_min = p_min
 

@@ -10,13 +10,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    Glm4Config,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
     Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SmolLM3Config,
@@ -82,6 +85,9 @@ _FAMILIES: dict[str, type[PretrainedConfig]] = {
     "phi3": Phi3Config,
     "granite": GraniteConfig,
     "smollm3": SmolLM3Config,
+    "olmo2": Olmo2Config,
+    "glm4": Glm4Config,
+    "qwen3_5": Qwen3_5TextConfig,
     "qwen3_moe": Qwen3MoeConfig,
 }
 
@@ -139,6 +145,21 @@ def make_tiny_model(path: str | Path, family: str = "qwen2", seed: int = 0, **co
     _spread_norm_weights(model, seed)
     model.save_pretrained(str(path))
     return path
+
+
+# The hybrid Qwen3.5's linear-attention sizes, small (its defaults are 16 key heads of 128)
+_QWEN3_5_LINEAR = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=16,
+    num_layers=4,  # three Gated DeltaNet layers, then one full-attention layer
+)
+
+
+def make_tiny_qwen3_5(path: str | Path, seed: int = 0, **config: Any) -> Path:
+    """A tiny hybrid Qwen3.5 (Qwen3_5ForCausalLM): make_tiny_model with small linear layers."""
+    return make_tiny_model(path, family="qwen3_5", seed=seed, **(_QWEN3_5_LINEAR | config))
 
 
 def _spread_norm_weights(model: torch.nn.Module, seed: int) -> None:

@@ -23,9 +23,9 @@ reads K and V in place through the block tables, when the kernel library is load
 Sliding-window layers (Gemma 3's local layers) see the same forward through `meta.sliding`:
 groups whose masks also hide keys at or before `p - window` from the query at position p, and
 whose block tables start at the first block a request's window reaches, so a local layer reads
-about `window` keys, not the whole context. They take the gathered path (the native kernel has
-no window); the pool still holds every position: the window limits what is read, not what is
-kept.
+about `window` keys, not the whole context. Short groups take the native kernel with the window
+(it reads only the blocks each query's window reaches); long ones SDPA with the windowed mask.
+The pool still holds every position: the window limits what is read, not what is kept.
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ class AttentionGroup:
     # A long query whose request's blocks are first_block, first_block + 1, ...: SDPA reads the
     # pool in place through a view (no gather); None when they are not consecutive.
     first_block: int | None = None
+    # a sliding-window layer's group: the query at p sees keys (p - window, p]; its block tables
+    # start at each request's first block the window reaches (`_blocks_before_window`)
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -192,8 +195,9 @@ def _build_group(
         mask = _with_tree_masks(mask, run)
     if short and mask is not None:
         mask = _bias(mask)
-    # the native kernel attends causally, without a window: such groups keep the gathered path
-    native = short and window is None and not trees
+    # the native kernel attends causally (within the group's window, tables starting where
+    # `_blocks_before_window` says): tree groups keep the gathered path
+    native = short and not trees
     return AttentionGroup(
         token_start=token_start,
         token_end=token_start + num_tokens,
@@ -202,17 +206,18 @@ def _build_group(
         block_tables=tables.to(device, non_blocking=True),
         mask=None if mask is None else mask.to(device, non_blocking=True),
         query_index=_query_index(run, max_q, device, always=uniform and short),
-        # the native kernel has no window: a windowed group keeps the gathered path
         start_pos=_lengths([span.start_pos for span in run], device) if native else None,
         query_lens=_lengths([span.num_tokens for span in run], device) if native else None,
         causal=causal,
         first_block=None if short or len(run) > 1 else _first_of_run(rows[0]),
+        window=window,
     )
 
 
 def _blocks_before_window(span: RequestSpan, block_size: int, window: int | None) -> int:
     """Leading blocks of the context that none of the span's queries sees: all of them lie
-    before its first query's window. The group's tables and masks start past them."""
+    before its first query's window. The group's tables and masks start past them (the native
+    kernel computes the same count from start_pos and the window)."""
     return 0 if window is None else max(0, span.start_pos - window + 1) // block_size
 
 
@@ -358,7 +363,7 @@ def _native_attention(
     assert group.start_pos is not None and group.query_lens is not None
     out = attention_ops.paged_attention(
         q[group.token_start : group.token_end], k_cache, v_cache, group.block_tables,
-        group.start_pos, group.query_lens, scale,
+        group.start_pos, group.query_lens, scale, window=group.window or 0,
     )  # fmt: skip
     return out.view(out.shape[0], -1)
 

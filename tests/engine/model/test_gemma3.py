@@ -15,6 +15,7 @@ from tiny import make_tiny_model
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from engine.config import SpeculativeConfig
+from engine.kernels import attention_ops
 from engine.model.attention import AttentionMetadata, RequestSpan
 from engine.model.families import build_decoder
 from engine.model.loader import LoadedModel, load_model
@@ -135,7 +136,8 @@ def test_windowed_group_reads_the_last_window_keys_only() -> None:
     assert full.start_pos is not None and full.block_tables.shape == (1, 6)
     assert meta.sliding is not None
     (group,) = meta.sliding.groups
-    assert group.start_pos is None  # the native kernel has no window: the gathered path
+    # the native kernel takes the window, and the table from the window's first block
+    assert group.start_pos is not None and group.window == 4
     assert group.block_tables.tolist() == [[104, 105]]  # positions 16..23
     assert group.mask is not None
     seen = group.mask[0, 0] == 0  # [3, 8]: the additive bias of a short group
@@ -188,6 +190,29 @@ def test_ragged_batch_matches_transformers(loaded: LoadedModel, gemma_dir: Path)
     got = runner.forward(step)
     want = [_reference(gemma_dir, s)[n:] for s, n in zip(seqs, first, strict=True)]
     _assert_close(got, torch.cat(want))
+
+
+@pytest.mark.skipif(not attention_ops.available(), reason="no native attention kernel here")
+def test_local_layers_decode_on_the_native_kernel_with_their_window(
+    loaded: LoadedModel, gemma_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decodes and a verify query past the window: the local layers' attention runs in the native
+    kernel with the window (the global ones without), and the logits are transformers'."""
+    windows: list[int] = []
+    kernel = attention_ops.paged_attention
+
+    def counted(*args: object, window: int = 0, **kw: object) -> torch.Tensor:
+        windows.append(window)
+        return kernel(*args, window=window, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention_ops, "paged_attention", counted)
+    runner, ids, table = _runner(loaded), _ids(30, seed=6), _table(10, 2)
+    outs = [runner.forward([ForwardInput(ids[:20], 0, table, 20)])]
+    outs.append(runner.forward([ForwardInput(ids[20:24], 20, table, 4)]))
+    outs += [runner.forward([ForwardInput([ids[p]], p, table, 1)]) for p in range(24, 30)]
+    _assert_close(torch.cat(outs), _reference(gemma_dir, ids))
+    # the verify and the six decodes; the 20-token prompt chunk is SDPA's
+    assert windows == [WINDOW if t == "sliding_attention" else 0 for t in LAYER_TYPES] * 7
 
 
 # ---- the engine: greedy continuations equal transformers' generate ------------------------------

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 
 from engine.model.decoder import DecoderModel, WeightValue
 from engine.model.hybrid import build_qwen3_5
+from engine.model.moe import split_stacked_experts
 from engine.model.rope import partial_rotary_factor
 from engine.model.shape import DecoderShape, MoeShape
 
@@ -185,7 +186,10 @@ def split_fused(
     """Phi-3's fused q/k/v and gate/up matrices as the separate ones the other families' checkpoints
     hold, so quantization and tensor parallelism load them as they load those (the decoder fuses
     them again, its own way), q and k heads reordered for partial rotary; other architectures'
-    weights pass through."""
+    weights pass through; stacked experts (a GGUF converted by transformers) split per expert."""
+    if architecture == "Qwen3MoeForCausalLM":
+        yield from split_stacked_experts(weights)  # type: ignore[arg-type]
+        return
     if architecture != "Phi3ForCausalLM":
         yield from weights
         return

@@ -32,6 +32,8 @@ def gguf_config(path: Path) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     if meta.get("general.architecture") == "gemma3":
         _complete_gemma3(config, meta)
+    if meta.get("general.architecture") == "qwen3moe":
+        _complete_qwen3moe(config, meta)
     if meta.get("general.architecture") == "phi3":
         complete_phi3(config, meta, path)
     return config
@@ -56,6 +58,16 @@ def _complete_gemma3(config: PretrainedConfig, meta: dict[str, object]) -> None:
         "full_attention": _global_rope(meta, "gemma3"),
         "sliding_attention": {"rope_type": "default", "rope_theta": float(local_theta)},  # type: ignore[arg-type]
     }
+
+
+def _complete_qwen3moe(config: PretrainedConfig, meta: dict[str, object]) -> None:
+    """transformers does not read the experts' width; llama.cpp's qwen3moe renormalizes the
+    top-k weights always (transformers' GGUF defaults say so too)."""
+    width = meta.get("qwen3moe.expert_feed_forward_length")
+    if width is None:
+        raise ValueError("Qwen3-MoE GGUF without qwen3moe.expert_feed_forward_length")
+    config.moe_intermediate_size = int(width)  # type: ignore[call-overload]
+    config.norm_topk_prob = True
 
 
 def _layer_types(pattern: object, layers: int) -> list[str]:

@@ -19,10 +19,9 @@ of the batch chose.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.shape import MoeShape
@@ -42,12 +41,23 @@ class Router(nn.Module):
     def forward(
         self, x: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, hidden] -> weights [T, k] (dtype), ids [T, k]
-        logits = F.linear(x.to(dtype), self.weight)  # [T, num_experts]
+        logits = _row_by_row(x.to(dtype), self.weight)  # [T, num_experts]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), ids
+
+
+def _row_by_row(
+    x: torch.Tensor,  # [T, hidden]
+    weight: torch.Tensor,  # [num_experts, hidden]
+) -> torch.Tensor:  # [T, num_experts]: x W^T, each row as F.linear computes it alone
+    """A GEMM's result for a row depends on how many rows it shares the call with (the BLAS
+    blocks M): a router so computed could send a token elsewhere in a verify than in a decode.
+    A batch of T matrix-vector products gives each row the one-row result whatever T is."""
+    rows = x.shape[0]
+    return torch.bmm(x[:, None, :], weight.t().expand(rows, -1, -1))[:, 0]
 
 
 class MoE(nn.Module):
@@ -96,3 +106,24 @@ def _rows_by_expert(
             groups.append((expert, slots // k, slots))
             start += n
     return groups
+
+
+def split_stacked_experts(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers 5's stacked expert tensors (what its GGUF reader converts to) as the
+    per-expert matrices the hub's checkpoints hold: `mlp.experts.gate_up_proj` [E, 2I, H] as
+    `mlp.experts.E.gate_proj.weight` and `.up_proj.weight`, `mlp.experts.down_proj` [E, H, I]
+    as `mlp.experts.E.down_proj.weight`; other weights pass through."""
+    for name, value in weights:
+        prefix, _, part = name.rpartition("mlp.experts.")
+        if part not in ("gate_up_proj", "down_proj") or value.dim() != 3:
+            yield name, value
+            continue
+        for e, matrix in enumerate(value):
+            if part == "down_proj":
+                yield f"{prefix}mlp.experts.{e}.down_proj.weight", matrix
+            else:
+                gate, up = matrix.chunk(2)
+                yield f"{prefix}mlp.experts.{e}.gate_proj.weight", gate
+                yield f"{prefix}mlp.experts.{e}.up_proj.weight", up

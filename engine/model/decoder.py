@@ -28,6 +28,7 @@ from transformers import PretrainedConfig
 from engine.kernels import fused_ops
 from engine.model.attention import AttentionMetadata, attend, paged_attention
 from engine.model.moe import MoE
+from engine.model.norms import FlatNorm, NoNorm, RMSNorm
 from engine.model.quant.formats import QuantizedWeight
 from engine.model.rope import Rope, Rotary, apply_rope, rope_layer_types
 from engine.model.shape import DecoderShape
@@ -38,39 +39,6 @@ if TYPE_CHECKING:
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [kv_heads, num_blocks, block_size, dim]
 # a checkpoint tensor, or a GGUF's quantized one (engine.model.quant): kept quantized, or left in the file
 WeightValue = Union[torch.Tensor, QuantizedWeight, "GgufRows"]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, offset: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))
-        self.eps = eps
-        self.offset = offset  # Gemma's: x * (1 + weight), the checkpoint holding weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 and round before the weight, as the reference implementations do;
-        # Gemma's rounds after it (transformers' Gemma3RMSNorm).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * x32.to(x.dtype)
-
-    def add_forward(
-        self,
-        x: torch.Tensor,  # [num_tokens, hidden]: a sublayer's output (float32 before rounding)
-        residual: torch.Tensor | None,  # [num_tokens, hidden]: the stream before it (None: none)
-        out_dtype: torch.dtype,  # the model's, or float32 for a GEMM that reads float32
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + residual) in out_dtype, x + residual
-        """The residual add and the norm after it, one native pass where the fused ops run (the
-        same roundings as the eager ops); compiled graphs keep the eager ops for inductor to fuse,
-        and Gemma's offset norms the eager ones (the native ops round before the weight)."""
-        if not self.offset and not torch.compiler.is_compiling() and fused_ops.usable(x):
-            if residual is None:
-                return fused_ops.rmsnorm(x, self.weight, self.eps, out_dtype), x
-            return fused_ops.add_rmsnorm(x, residual, self.weight, self.eps, out_dtype)
-        total = x if residual is None else x.to(residual.dtype) + residual
-        return self(total).to(out_dtype), total
 
 
 def silu_mul(
@@ -122,9 +90,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(shape.hidden_size, out, bias=shape.qkv_bias)
         # nn.Module: quantization and tensor parallelism swap the row-parallel projections
         self.o_proj: nn.Module = nn.Linear(shape.q_size, shape.hidden_size, bias=shape.o_bias)
-        norm = partial(RMSNorm, shape.head_dim, shape.rms_norm_eps, shape.norm_offset)
-        self.q_norm = norm() if shape.qk_norm else None
-        self.k_norm = norm() if shape.qk_norm else None
+        norms = _qk_norms(shape) if shape.qk_norm else (None, None)
+        self.q_norm: RMSNorm | None = norms[0]
+        self.k_norm: RMSNorm | None = norms[1]
         self.scale = shape.attention_scale
 
     def forward(
@@ -155,6 +123,14 @@ class Attention(nn.Module):
         return gemm_unrounded(self.o_proj, out)  # the next norm rounds it
 
 
+def _qk_norms(shape: DecoderShape) -> tuple[RMSNorm, RMSNorm]:
+    """Per head (Qwen3's, Gemma's), or over all heads of the projection (OLMo 2's)."""
+    eps, offset, late = shape.rms_norm_eps, shape.norm_offset, shape.norm_late_round or None
+    if shape.qk_norm_flat:
+        return FlatNorm(shape.q_size, eps, offset, late), FlatNorm(shape.kv_size, eps, offset, late)
+    return RMSNorm(shape.head_dim, eps, offset, late), RMSNorm(shape.head_dim, eps, offset, late)
+
+
 class MLP(nn.Module):
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
@@ -178,15 +154,19 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, shape: DecoderShape, index: int = 0) -> None:
         super().__init__()
-        norm = partial(RMSNorm, shape.hidden_size, shape.rms_norm_eps, shape.norm_offset)
+        late = shape.norm_late_round or None
+        norm = partial(RMSNorm, shape.hidden_size, shape.rms_norm_eps, shape.norm_offset, late)
+        pre_norm = norm if shape.pre_norms else NoNorm  # OLMo 2 has none before its sublayers
         self.sliding = shape.is_sliding(index)
         self.residual_multiplier = shape.residual_multiplier
-        self.input_layernorm = norm()
+        self.input_layernorm: RMSNorm | NoNorm = pre_norm()
         self.self_attn = Attention(shape, self.sliding, shape.rotates(index))
         # Llama's: the MLP's norm; with sandwich norms (Gemma's), the attention output's
         self.post_attention_layernorm = norm()
         self.mlp: MLP | MoE = _moe(shape) if shape.is_moe(index) else MLP(shape)
-        self.pre_feedforward_layernorm = norm() if shape.sandwich_norms else None
+        self.pre_feedforward_layernorm: RMSNorm | NoNorm | None = (
+            pre_norm() if shape.sandwich_norms else None
+        )
         self.post_feedforward_layernorm = norm() if shape.sandwich_norms else None
 
     def forward(
@@ -278,7 +258,8 @@ class DecoderModel(nn.Module):
         self.shape = shape
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, shape.norm_offset)
+        late = shape.norm_late_round or None
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, shape.norm_offset, late)
         self.lm_head = (
             None
             if shape.tie_word_embeddings

@@ -25,6 +25,7 @@ import torch
 
 from engine.kernels import attention_ops, fused_ops
 from engine.model.attention import AttentionMetadata
+from engine.model.norms import RMSNorm
 from engine.model.quant.linear import QuantLinear
 from engine.model.quant.native import GgufKernel, native_chunk_limit
 
@@ -76,8 +77,9 @@ def build(model: DecoderModel) -> NativeStack | None:
     s = model.shape
     if not (ENABLED and _library_has_stack()) or s.qk_norm or s.norm_offset:
         return None  # layers.cpp has Llama's layer only: no q/k norms, Gemma's norms or windows
-    if not s.layers_alike or s.residual_multiplier != 1.0:
-        return None  # nor layers of two kinds (Gemma 3, SmolLM3) or Granite's residual scaling
+    if not s.layers_alike or s.residual_multiplier != 1.0 or s.sandwich_norms:
+        return None  # nor layers of two kinds (Gemma 3, SmolLM3), Granite's residual scaling
+        # or norms after the sublayers (GLM-4, OLMo 2)
     if model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (
         torch.float32,
         torch.bfloat16,
@@ -128,6 +130,7 @@ def _flatten(model: DecoderModel) -> tuple[list[torch.Tensor], list[int]]:
     tensors: list[torch.Tensor] = []
     layout: list[int] = []
     for layer in _layers(model):
+        assert isinstance(layer.input_layernorm, RMSNorm)  # build() took pre-norm layers only
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         tensors += [norm.detach() for norm in norms]
         for linear in _linears(layer):

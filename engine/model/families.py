@@ -4,6 +4,7 @@ Every family is a configuration of the one decoder (engine.model.decoder): `buil
 reads a transformers config into a `DecoderShape`, whose switches say where a family departs
 from Llama (QKV bias, q/k norms, Gemma's offset norms, GeGLU, sandwich norms, scaled
 embeddings, sliding-window layers; Granite's multipliers; SmolLM3's layers without rope;
+OLMo 2's and GLM-4's, engine.model.family_switches;
 Qwen3-MoE's routed experts, engine.model.moe).
 Phi-3/Phi-4 is Llama's layer as it is; only its checkpoint differs, with q/k/v and gate/up
 already fused and (Phi-4-mini) a partial rotary (`split_fused`).
@@ -20,6 +21,7 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.model.decoder import DecoderModel, WeightValue
+from engine.model.family_switches import glm4_shape, glm4_weights, olmo2_shape
 from engine.model.hybrid import build_qwen3_5
 from engine.model.moe import split_stacked_experts
 from engine.model.rope import partial_rotary_factor
@@ -35,6 +37,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "GraniteForCausalLM",
     "SmolLM3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "Glm4ForCausalLM",
     "Qwen3MoeForCausalLM",
 )
 
@@ -48,11 +52,14 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 _GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+_SWITCHED = {"Olmo2ForCausalLM": olmo2_shape, "Glm4ForCausalLM": glm4_shape}
 
 
 def check_supported(architecture: str) -> None:
@@ -72,6 +79,8 @@ def build_decoder(architecture: str, config: PretrainedConfig) -> DecoderModel:
         return build_qwen3_5(config)
     if architecture == "Qwen3MoeForCausalLM":
         return DecoderModel(_qwen3_moe_shape(config))
+    if architecture in _SWITCHED:  # engine.model.family_switches
+        return DecoderModel(_SWITCHED[architecture](config))
     if partial_rotary_factor(config) != 1.0 and architecture != "Phi3ForCausalLM":
         raise ValueError(f"{architecture} with partial_rotary_factor: only Phi-3's is reordered")
     if getattr(config, "mlp_bias", False) or getattr(config, "hidden_act", "silu") != "silu":
@@ -189,6 +198,9 @@ def split_fused(
     weights pass through; stacked experts (a GGUF converted by transformers) split per expert."""
     if architecture == "Qwen3MoeForCausalLM":
         yield from split_stacked_experts(weights)  # type: ignore[arg-type]
+        return
+    if architecture == "Glm4ForCausalLM":
+        yield from glm4_weights(config, weights)
         return
     if architecture != "Phi3ForCausalLM":
         yield from weights

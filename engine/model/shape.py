@@ -53,6 +53,11 @@ class DecoderShape:
     no_rope_layers: tuple[int, ...] = ()
     # mixture of experts (Qwen3-MoE): the routed MLP's sizes and layers; None: dense MLPs only
     moe: MoeShape | None = None
+    # OLMo 2's: no norm before attention or the MLP (sandwich norms' post ones only), q/k norms
+    # over a token's whole projection, every norm's weight applied in float32 before rounding
+    pre_norms: bool = True
+    qk_norm_flat: bool = False
+    norm_late_round: bool = False
 
     @classmethod
     def from_config(

@@ -105,6 +105,16 @@ def test_concurrent_arrivals_and_preemption(model_dir: Path, draft_dir: Path) ->
     assert preempted > 0  # not vacuous: some request was recomputed
 
 
+def test_draft_trees_are_off_for_a_hybrid(model_dir: Path) -> None:
+    """A tree's branches would each need a recurrent state: the hybrid verifies chains."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K, tree_width=3, adaptive=False)
+    engine = make_engine(model_dir, speculative=spec)
+    prompts = batched_prompts()
+    assert outputs(engine, prompts, greedy(MAX_TOKENS)) == [
+        hf_greedy(model_dir, p, MAX_TOKENS) for p in prompts
+    ]
+
+
 def test_prefix_caching_is_off_for_a_hybrid(model_dir: Path) -> None:
     """A cached prefix has K/V but no linear-layer state to resume from."""
     engine = make_engine(model_dir, enable_prefix_caching=True)

@@ -44,13 +44,21 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # index = draft position
+    # verify passes whose drafts reached each position (a tree's: depth), so the acceptance at
+    # position i is accepted_per_pos[i] / drafted_per_pos[i]
+    drafted_per_pos: list[int] = field(default_factory=list)
     num_emitted_tokens: int = 0
     # proposer -> [draft tokens, accepted tokens]
     by_proposer: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, num_draft: int, num_accepted: int, proposer: str = "") -> None:
+    def add(
+        self, num_draft: int, num_accepted: int, proposer: str = "", depth: int | None = None
+    ) -> None:
+        """One verify pass: `depth` is a tree's (its deepest node's), None for a chain (k)."""
         if num_draft == 0:
             return
+        depth = num_draft if depth is None else depth
+        _add_at(self.drafted_per_pos, [1] * depth)
         if proposer:
             counts = self.by_proposer.setdefault(proposer, [0, 0])
             counts[0] += num_draft
@@ -77,6 +85,7 @@ class SpecStats:
             self.accepted_per_pos.extend([0] * pad)
         for pos, n in enumerate(other.accepted_per_pos):
             self.accepted_per_pos[pos] += n
+        _add_at(self.drafted_per_pos, other.drafted_per_pos)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -86,6 +95,13 @@ class SpecStats:
     def mean_acceptance_length(self) -> float | None:
         """1 + accepted per draft pass: tokens each verify pass yields (vLLM's definition)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+def _add_at(counts: list[int], more: list[int]) -> None:
+    """counts[i] += more[i], counts grown to fit."""
+    counts.extend([0] * (len(more) - len(counts)))
+    for i, n in enumerate(more):
+        counts[i] += n
 
 
 @dataclass

@@ -64,6 +64,11 @@ _HISTOGRAMS = {
     "request_decode_time_seconds": ("First token to finish.", _LATENCY_BUCKETS),
 }
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+# Beside it the verify passes that offered a draft at each position (a tree's: its depth), so
+# acceptance per position is the ratio; and the tokens a pass yields on average, 1 + accepted /
+# passes (what vLLM logs as the mean acceptance length), since the server started.
+_DRAFTS_PER_POS = "spec_decode_num_drafts_per_pos"
+_MEAN_LENGTH = "spec_decode_mean_acceptance_length"
 _BY_PROPOSER = {
     "spec_decode_proposer_draft_tokens": "Draft tokens proposed, by proposer (draft, ngram).",
     "spec_decode_proposer_accepted_tokens": "Draft tokens accepted, by proposer (draft, ngram).",
@@ -77,9 +82,12 @@ _CACHE_CONFIG = "cache_config_info"
 METRIC_NAMES: tuple[str, ...] = (
     *(
         f"{PREFIX}{name}_total"
-        for name in (*_COUNTERS, _PER_POS, _SUCCESS, *_BY_PROPOSER, _BY_ENDPOINT)
+        for name in (*_COUNTERS, _PER_POS, _DRAFTS_PER_POS, _SUCCESS, *_BY_PROPOSER, _BY_ENDPOINT)
     ),
-    *(f"{PREFIX}{name}" for name in (*_HISTOGRAMS, *_GAUGES, _K_CHOSEN, _CACHE_CONFIG)),
+    *(
+        f"{PREFIX}{name}"
+        for name in (*_HISTOGRAMS, *_GAUGES, _MEAN_LENGTH, _K_CHOSEN, _CACHE_CONFIG)
+    ),
 )
 
 MetricsCompat = Literal["vllm", "none"]
@@ -120,6 +128,15 @@ class Metrics:
             PREFIX + _PER_POS, "Accepted draft tokens by draft position.",
             ["model_name", "position"], registry=reg,
         )  # fmt: skip
+        self._drafts_per_pos = Counter(
+            PREFIX + _DRAFTS_PER_POS, "Verify passes that offered a draft at this position (a "
+            "draft tree's: depth).", ["model_name", "position"], registry=reg,
+        )  # fmt: skip
+        self._mean_length = Gauge(
+            PREFIX + _MEAN_LENGTH, "Tokens a verify pass with drafts yields on average "
+            "(1 + accepted / passes), since start.", labels, registry=reg,
+        ).labels(model_name)  # fmt: skip
+        self._passes_and_accepted = [0, 0]
         self._success = Counter(
             PREFIX + _SUCCESS, "Finished requests by finish reason.",
             ["model_name", "finished_reason"], registry=reg,
@@ -158,6 +175,7 @@ class Metrics:
         c["spec_decode_num_accepted_tokens"].inc(stats.spec.num_accepted_tokens)
         for pos, n in enumerate(stats.spec.accepted_per_pos):
             self._per_pos.labels(self.model_name, str(pos)).inc(n)
+        self._on_spec_positions(stats)
         self._on_spec_step(stats)
         c["prompt_tokens"].inc(stats.num_prompt_tokens)
         c["generation_tokens"].inc(stats.num_generation_tokens)
@@ -167,6 +185,15 @@ class Metrics:
         self.gauges["num_requests_running"].set(stats.num_running)
         self.gauges["num_requests_waiting"].set(stats.num_waiting)
         self.gauges["kv_cache_usage_perc"].set(stats.kv_cache_usage)
+
+    def _on_spec_positions(self, stats: StepStats) -> None:
+        for pos, n in enumerate(stats.spec.drafted_per_pos):
+            self._drafts_per_pos.labels(self.model_name, str(pos)).inc(n)
+        totals = self._passes_and_accepted
+        totals[0] += stats.spec.num_drafts
+        totals[1] += stats.spec.num_accepted_tokens
+        if totals[0]:
+            self._mean_length.set(1 + totals[1] / totals[0])
 
     def _on_spec_step(self, stats: StepStats) -> None:
         if stats.spec_k_chosen:

@@ -304,7 +304,9 @@ class LLMEngine:
             prompt_logprobs,
         )
         if item.reaches_end:
-            step_spec.add(result.num_drafts, result.num_accepted, result.proposer)
+            tree = proposal.tree  # acceptance by depth: a tree's deepest node, else k
+            depth = None if tree is None else tree.max_depth
+            step_spec.add(result.num_drafts, result.num_accepted, result.proposer, depth)
         return self.scheduler.update_from_output(item, result)
 
     def _prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> list[TokenLogprob]:
@@ -411,11 +413,8 @@ class LLMEngine:
 
     def _verifies_trees(self) -> bool:
         """A tree's mask hides keys by node, not by window; a sharded target's ranks are not led
-        the K/V moves of an accepted path; a hybrid's recurrent state follows one chain."""
-        target = self.target
-        return (
-            target.tp is None and target.model.shape.sliding_window is None and not target.is_hybrid
-        )
+        the K/V moves of an accepted path."""
+        return self.target.tp is None and self.target.model.shape.sliding_window is None
 
     def _runners(self) -> list[ModelRunner]:
         return [self.target] if self.draft is None else [self.target, self.draft]

@@ -3,10 +3,12 @@ path kept (its K/V moved into position order), lossless greedy, seeded and sampl
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -17,12 +19,23 @@ from engine.config import SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.model.attention import AttentionMetadata, RequestSpan, paged_attention
 from engine.model.runner import ForwardInput
+from engine.outputs import SpecStats
 from engine.sample.sampling_params import SamplingParams
+from engine.sample.structured import Constraints, grammar_from
 from engine.spec_decode.proposers import Proposal
 from engine.spec_decode.tree import ROOT, DraftTree, tree_from_paths
 from engine.spec_decode.tree_sampler import verify_tree
 
 MAX_TOKENS = 16
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    },
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +296,54 @@ def test_sampled_trees_through_the_engine(tiny_model_dir: Path, vocab: int) -> N
     assert all(len(s.output_token_ids) == MAX_TOKENS for s in seqs) and spy.trees > 0
     assert all(0 <= t < vocab for s in seqs for t in s.output_token_ids)
     assert engine.block_manager.usage == 0.0
+
+
+def test_grammar_masks_tree_nodes(plain: LLMEngine, tiny_model_dir: Path, vocab: int) -> None:
+    """JSON-schema requests under trees: each node's row masked after its own path, output equal
+    to plain decoding's and valid."""
+    engine = _tree_engine(tiny_model_dir, width=3, k=6)
+    spy = _Spy(engine)
+    params = SamplingParams(
+        max_tokens=120,
+        temperature=0.0,
+        constraints=Constraints(grammar=grammar_from("json", SCHEMA)),
+    )
+    # prompts quoting several JSON answers: their n-grams recur with different continuations
+    answers = outputs(plain, _ambiguous_prompts(4, vocab, seed=17), params)
+    prompts = [answers[i] + answers[(i + 1) % 4] + answers[(i + 2) % 4][:5] for i in range(4)]
+    seqs = engine.generate(prompts, params)
+    reference = plain.generate(prompts, params)
+    assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in reference]
+    assert all(s.finish_reason == "stop" for s in seqs) and spy.trees > 0
+    for seq in seqs:
+        text = engine.tokenizer.decode(seq.output_token_ids)
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+# ---- metrics: acceptance per depth, mean accepted length --------------------------------------
+
+
+def test_metrics_per_depth_and_mean_length(tiny_model_dir: Path, vocab: int) -> None:
+    from server.metrics import PREFIX, Metrics
+
+    engine = _tree_engine(tiny_model_dir)
+    metrics = Metrics("tiny")
+    prompts = _ambiguous_prompts(4, vocab, seed=21)
+    for rid, prompt in enumerate(prompts):
+        engine.add_request(str(rid), prompt, greedy(MAX_TOKENS))
+    total = SpecStats()
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.last_stats is not None
+        metrics.on_step(engine.last_stats)
+        total.merge(engine.last_stats.spec)
+    drafted, accepted = total.drafted_per_pos, total.accepted_per_pos
+    assert total.num_drafts == drafted[0] > 0  # every pass offers depth 1
+    assert all(a <= d for a, d in zip(accepted, drafted, strict=False))
+    assert sum(drafted) < total.num_draft_tokens  # a tree counts by depth, not by its nodes
+    text = metrics.render().decode()
+    first = f'{PREFIX}spec_decode_num_drafts_per_pos_total{{model_name="tiny",position="0"}}'
+    assert f"{first} {float(drafted[0])}" in text
+    mean = 1 + total.num_accepted_tokens / total.num_drafts
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"{PREFIX}spec_decode_mean_acc"))
+    assert float(line.split()[-1]) == pytest.approx(mean)

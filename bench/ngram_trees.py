@@ -1,0 +1,104 @@
+"""N-gram draft trees against n-gram chains, in one engine, at concurrency 1.
+
+    python -m bench.ngram_trees --categories code,chat --num-prompts 3 --max-tokens 96 \\
+        --k 6 --tree-width 3 --rounds 2
+
+One engine (configs/ngram.yaml's target, fixed k, no planner) decodes every prompt greedily in
+three modes, in an order that reverses every round: `plain` (no drafts), `chain` (the latest
+match's continuation, k drafts) and `tree` (up to `--tree-width` matches merged into a tree of at
+most k nodes, engine/spec_decode/tree.py). Each prompt is put in the prefix cache first. Reports
+each mode's output tokens per second (median over rounds), the ratios, the mean accepted length
+per verify pass, and whether every mode's text equals plain's (greedy: it must, up to rounding
+near ties, since a tree's verify rows take the gathered attention path, not the native kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.engine_args import cpu_flags
+from bench.serving.datasets import load_category
+from bench.serving.options import csv_list
+from bench.spec_grid import token_ids
+from engine.core.llm_engine import LLMEngine
+from engine.sample.sampling_params import SamplingParams
+
+MODES = ("plain", "chain", "tree")
+
+
+def run_mode(
+    engine: LLMEngine, mode: str, prompts: list[list[int]], k: int, width: int, max_tokens: int
+) -> tuple[float, list[list[int]], int, int]:
+    """tokens/s, the outputs, verify passes with drafts and tokens accepted, one prompt at a time."""
+    assert engine._ngram is not None
+    engine._ngram.tree_width = width if mode == "tree" else 1
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=0 if mode == "plain" else k
+    )
+    outputs, tokens, passes, accepted, started = [], 0, 0, 0, time.perf_counter()
+    for prompt in prompts:
+        (seq,) = engine.generate([prompt], params)
+        outputs.append(seq.output_token_ids)
+        tokens += seq.num_output_tokens
+        passes += seq.spec.num_drafts
+        accepted += seq.spec.num_accepted_tokens
+    return tokens / (time.perf_counter() - started), outputs, passes, accepted
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config", type=Path, default=Path("configs/ngram.yaml"))
+    ap.add_argument("--categories", default="code,chat")
+    ap.add_argument("--num-prompts", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--tree-width", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    from server.settings import Settings
+
+    config = Settings.load(args.config).engine_config()
+    spec = replace(
+        config.speculative,
+        num_speculative_tokens=args.k,
+        adaptive=False,
+        tree_width=args.tree_width,
+    )
+    engine = LLMEngine(replace(config, speculative=spec))
+    print(f"CPU: {cpu_flags()}; threads {engine.config.num_threads}")
+    for category in csv_list(args.categories):
+        prompts = [token_ids(engine, p) for p in load_category(category, args.num_prompts, {})]
+        engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))  # prefix cache
+        rates: dict[str, list[float]] = {m: [] for m in MODES}
+        texts: dict[str, list[list[int]]] = {}
+        counts: dict[str, tuple[int, int]] = {}
+        for r in range(args.rounds):
+            for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                rate, out, passes, accepted = run_mode(
+                    engine, mode, prompts, args.k, args.tree_width, args.max_tokens
+                )
+                rates[mode].append(rate)
+                texts[mode] = out
+                counts[mode] = (passes, accepted)
+        med = {m: statistics.median(v) for m, v in rates.items()}
+        print(f"\n{category}: tok/s (median of {args.rounds} rounds), k={args.k}")
+        for mode in MODES:
+            passes, accepted = counts[mode]
+            length = 1 + accepted / passes if passes else 1.0
+            same = sum(a == b for a, b in zip(texts[mode], texts["plain"], strict=True))
+            print(
+                f"  {mode:6s} {med[mode]:6.2f} tok/s  x{med[mode] / med['plain']:.3f} plain"
+                f"  accepted length/pass {length:.2f}  equal to plain {same}/{len(prompts)}"
+                f"  rounds {[round(x, 2) for x in rates[mode]]}"
+            )
+        print(f"  tree / chain: x{med['tree'] / med['chain']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

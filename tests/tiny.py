@@ -11,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
     Glm4Config,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -89,6 +90,7 @@ _FAMILIES: dict[str, type[PretrainedConfig]] = {
     "glm4": Glm4Config,
     "qwen3_5": Qwen3_5TextConfig,
     "qwen3_moe": Qwen3MoeConfig,
+    "gpt_oss": GptOssConfig,
 }
 
 

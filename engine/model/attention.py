@@ -312,9 +312,10 @@ def paged_attention(
     v_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,  # [num_heads]: gpt-oss's sink logits
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    return attend(q, k_cache, v_cache, meta, scale)
+    return attend(q, k_cache, v_cache, meta, scale, sinks)
 
 
 def attend(
@@ -323,9 +324,10 @@ def attend(
     v_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,  # [num_heads]: gpt-oss's sink logits
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     """paged_attention after the new tokens' K/V are in the pool (written by the caller)."""
-    outs = [_group_attention(q, k_cache, v_cache, g, scale) for g in meta.groups]
+    outs = [_group_attention(q, k_cache, v_cache, g, scale, sinks) for g in meta.groups]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -335,13 +337,19 @@ def _group_attention(
     v_cache: torch.Tensor,
     group: AttentionGroup,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [group_tokens, num_heads * head_dim]
-    if group.start_pos is not None and attention_ops.usable(q):
+    if sinks is None and group.start_pos is not None and attention_ops.usable(q):
         return _native_attention(q, k_cache, v_cache, group, scale)
     qg = _pad_queries(q[group.token_start : group.token_end], group)  # [B, Q, heads, dim]
     keys = _context(k_cache, group)  # [kv_heads, B, L, dim]
     values = _context(v_cache, group)
-    if group.max_query_len <= SHORT_QUERY_MAX:
+    if sinks is not None:  # eager attention, every length: the kernels have no sink column
+        assert not group.causal, "attention sinks need the group's mask"
+        mask = group.mask
+        bias = _bias(mask) if mask is not None and mask.dtype == torch.bool else mask
+        out = _short_attention(qg, keys, values, bias, scale, sinks)
+    elif group.max_query_len <= SHORT_QUERY_MAX:
         out = _short_attention(qg, keys, values, group.mask, scale)
     elif group.causal:  # the keys past the chunk's own are the last block's unwritten slots
         n = group.max_query_len
@@ -394,6 +402,7 @@ def _short_attention(
     values: torch.Tensor,
     bias: torch.Tensor | None,  # [B, 1, Q, L] float32
     scale: float,
+    sinks: torch.Tensor | None = None,  # [heads]: a zero-valued key's logit per head (gpt-oss)
 ) -> torch.Tensor:  # [B, Q, heads, dim]
     """Eager attention, the query heads of each KV head stacked as rows: two batched matmuls.
 
@@ -413,7 +422,12 @@ def _short_attention(
     scores = scores.view(kv_heads, batch, group, num_q, -1)
     if bias is not None:
         scores = scores + bias[None]
-    probs = scores.softmax(-1).to(q.dtype).view(kv_heads, batch, group * num_q, -1)
+    if sinks is not None:  # softmax over the keys and the sink, whose column is then dropped
+        sink = sinks.float().view(kv_heads, 1, group, 1, 1).expand(-1, batch, -1, num_q, 1)
+        scores = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1].contiguous()
+    else:
+        scores = scores.softmax(-1)
+    probs = scores.to(q.dtype).view(kv_heads, batch, group * num_q, -1)
     out = torch.matmul(probs.to(mm), values.to(mm)).to(q.dtype)  # [kvh, B, G*Q, dim]
     out = out.view(kv_heads, batch, group, num_q, dim).permute(1, 3, 0, 2, 4)
     return out.reshape(batch, num_q, num_heads, dim)

@@ -27,7 +27,7 @@ from transformers import PretrainedConfig
 
 from engine.kernels import fused_ops
 from engine.model.attention import AttentionMetadata, attend, paged_attention
-from engine.model.moe import MoE
+from engine.model.moe import ClampedSwiGLUExpert, MoE
 from engine.model.norms import FlatNorm, NoNorm, RMSNorm
 from engine.model.quant.formats import QuantizedWeight
 from engine.model.rope import Rope, Rotary, apply_rope, rope_layer_types
@@ -94,6 +94,8 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = norms[0]
         self.k_norm: RMSNorm | None = norms[1]
         self.scale = shape.attention_scale
+        # gpt-oss's: per head, the logit of a key every query sees whose value is zero
+        self.sinks = nn.Parameter(torch.empty(shape.num_heads)) if shape.attention_sinks else None
 
     def forward(
         self,
@@ -116,10 +118,10 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         if fused_ops.rope_kv_usable(qk, kv_cache[0]):  # rotate and write K/V in one pass
             q = fused_ops.rope_write_kv(qk, v, *rope, *kv_cache, meta.slot_mapping, s.num_heads)
-            out = attend(q, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = attend(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sinks)
         else:
             q, k = apply_rope(qk, *rope).split([s.num_heads, s.num_kv_heads], dim=1)
-            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = paged_attention(q, k, v, *kv_cache, meta, self.scale, self.sinks)
         return gemm_unrounded(self.o_proj, out)  # the next norm rounds it
 
 
@@ -221,9 +223,13 @@ class DecoderLayer(nn.Module):
 
 def _moe(shape: DecoderShape) -> MoE:
     """A routed MLP whose experts are this decoder's gated MLP at the experts' size."""
-    assert shape.moe is not None
-    expert_shape = replace(shape, intermediate_size=shape.moe.expert_size)
-    return MoE(shape.hidden_size, shape.moe, partial(MLP, expert_shape))
+    moe = shape.moe
+    assert moe is not None
+    if moe.swiglu_limit is not None:  # gpt-oss's
+        args = (shape.hidden_size, moe.expert_size, moe.swiglu_alpha, moe.swiglu_limit)
+        return MoE(shape.hidden_size, moe, partial(ClampedSwiGLUExpert, *args))
+    expert_shape = replace(shape, intermediate_size=moe.expert_size)
+    return MoE(shape.hidden_size, moe, partial(MLP, expert_shape))
 
 
 # transformers parameter name suffix -> (our parameter, shard index within a fused parameter)

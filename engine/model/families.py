@@ -5,7 +5,7 @@ reads a transformers config into a `DecoderShape`, whose switches say where a fa
 from Llama (QKV bias, q/k norms, Gemma's offset norms, GeGLU, sandwich norms, scaled
 embeddings, sliding-window layers; Granite's multipliers; SmolLM3's layers without rope;
 OLMo 2's and GLM-4's, engine.model.family_switches;
-Qwen3-MoE's routed experts, engine.model.moe).
+Qwen3-MoE's and gpt-oss's routed experts, engine.model.moe; gpt-oss's attention sinks).
 Phi-3/Phi-4 is Llama's layer as it is; only its checkpoint differs, with q/k/v and gate/up
 already fused and (Phi-4-mini) a partial rotary (`split_fused`).
 A config asking for something the decoder does not do is refused here, by name, rather than
@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 from engine.model.decoder import DecoderModel, WeightValue
 from engine.model.family_switches import glm4_shape, glm4_weights, olmo2_shape
 from engine.model.hybrid import build_qwen3_5
-from engine.model.moe import split_stacked_experts
+from engine.model.moe import split_gpt_oss_experts, split_stacked_experts
 from engine.model.rope import partial_rotary_factor
 from engine.model.shape import DecoderShape, MoeShape
 
@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "Glm4ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
 )
 
 # model_type -> architecture, for configs (e.g. from GGUF) that do not name one
@@ -56,6 +57,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "glm4": "Glm4ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 _GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -79,6 +81,8 @@ def build_decoder(architecture: str, config: PretrainedConfig) -> DecoderModel:
         return build_qwen3_5(config)
     if architecture == "Qwen3MoeForCausalLM":
         return DecoderModel(_qwen3_moe_shape(config))
+    if architecture == "GptOssForCausalLM":
+        return DecoderModel(_gpt_oss_shape(config))
     if architecture in _SWITCHED:  # engine.model.family_switches
         return DecoderModel(_SWITCHED[architecture](config))
     if partial_rotary_factor(config) != 1.0 and architecture != "Phi3ForCausalLM":
@@ -147,6 +151,35 @@ def _qwen3_moe_shape(config: PretrainedConfig) -> DecoderShape:
     return replace(shape, moe=moe)
 
 
+def _gpt_oss_shape(config: PretrainedConfig) -> DecoderShape:
+    """gpt-oss: biased attention with a sink logit per head, layers alternating a sliding
+    window with full attention, and in every layer routed experts with biases and a clamped
+    SwiGLU (top k of the router's biased logits, softmax over those k)."""
+    unknown = set(config.layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"gpt-oss layer types {sorted(unknown)} are not supported")
+    bias = bool(config.attention_bias)
+    shape = DecoderShape.from_config(config, qkv_bias=bias, o_bias=bias, qk_norm=False)
+    moe = MoeShape(
+        num_experts=int(config.num_local_experts),
+        top_k=int(config.num_experts_per_tok),
+        expert_size=int(config.intermediate_size),
+        layers=tuple(range(shape.num_layers)),
+        topk_then_softmax=True,
+        router_bias=True,
+        swiglu_limit=float(config.swiglu_limit),
+        swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
+    )
+    window = int(config.sliding_window) if "sliding_attention" in config.layer_types else None
+    return replace(
+        shape,
+        moe=moe,
+        attention_sinks=True,
+        sliding_window=window,
+        layer_types=tuple(config.layer_types),
+    )
+
+
 def _gemma3_shape(config: PretrainedConfig) -> DecoderShape:
     """Gemma 3's text decoder: Llama's with Gemma's switches on."""
     _check_gemma3(config)
@@ -198,6 +231,9 @@ def split_fused(
     weights pass through; stacked experts (a GGUF converted by transformers) split per expert."""
     if architecture == "Qwen3MoeForCausalLM":
         yield from split_stacked_experts(weights)  # type: ignore[arg-type]
+        return
+    if architecture == "GptOssForCausalLM":
+        yield from split_gpt_oss_experts(weights)  # type: ignore[arg-type]
         return
     if architecture == "Glm4ForCausalLM":
         yield from glm4_weights(config, weights)

@@ -35,13 +35,20 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeShape) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.router_bias else None
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
+        self.topk_then_softmax = moe.topk_then_softmax
 
     def forward(
         self, x: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, hidden] -> weights [T, k] (dtype), ids [T, k]
         logits = _row_by_row(x.to(dtype), self.weight)  # [T, num_experts]
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.topk_then_softmax:  # gpt-oss: the softmax over the chosen k, in the model dtype
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -90,6 +97,27 @@ class MoE(nn.Module):
         return out
 
 
+class ClampedSwiGLUExpert(nn.Module):
+    """gpt-oss's expert: biased linear layers around a SwiGLU whose gate is clamped above at
+    `limit` and whose up projection is clamped to [-limit, limit] and shifted by one:
+    (up + 1) * gate * sigmoid(alpha * gate). Its checkpoint interleaves gate and up columns;
+    the loader splits them (`split_gpt_oss_experts`)."""
+
+    def __init__(self, hidden_size: int, expert_size: int, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.gate_up_proj: nn.Module = nn.Linear(hidden_size, 2 * expert_size)
+        self.down_proj: nn.Module = nn.Linear(expert_size, hidden_size)
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [n, H] -> [n, H]
+        gate, up = self.gate_up_proj(x).to(dtype).chunk(2, dim=-1)  # [n, I] each
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        down: torch.Tensor = self.down_proj(act.to(getattr(self.down_proj, "input_dtype", dtype)))
+        return down
+
+
 def _rows_by_expert(
     ids: torch.Tensor,  # [T, k] the experts each row chose
     num_experts: int,
@@ -127,3 +155,25 @@ def split_stacked_experts(
                 gate, up = matrix.chunk(2)
                 yield f"{prefix}mlp.experts.{e}.gate_proj.weight", gate
                 yield f"{prefix}mlp.experts.{e}.up_proj.weight", up
+
+
+def split_gpt_oss_experts(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's stacked experts as per-expert linear layers: `gate_up_proj` [E, H, 2I] (input
+    rows, gate and up columns interleaved) and its bias [E, 2I], `down_proj` [E, I, H] and its
+    bias [E, H]; the router `mlp.router` named as the MoE's `mlp.gate`."""
+    for name, value in weights:
+        prefix, _, part = name.rpartition("mlp.experts.")
+        if not prefix:
+            yield name.replace(".mlp.router.", ".mlp.gate."), value
+            continue
+        for e, matrix in enumerate(value):
+            expert = f"{prefix}mlp.experts.{e}"
+            kind = "bias" if part.endswith("_bias") else "weight"
+            if part.startswith("down_proj"):
+                yield f"{expert}.down_proj.{kind}", matrix if kind == "bias" else matrix.t()
+                continue
+            columns = matrix if kind == "bias" else matrix.t()  # [2I, ...]: gate, up, gate, ...
+            yield f"{expert}.gate_proj.{kind}", columns[0::2]
+            yield f"{expert}.up_proj.{kind}", columns[1::2]

@@ -18,6 +18,12 @@ class MoeShape:
     expert_size: int  # each expert's intermediate size
     layers: tuple[int, ...]  # the layers whose MLP is routed (the others keep the dense MLP)
     norm_topk_prob: bool = False  # Qwen's: the top-k probabilities rescaled to sum to 1
+    # gpt-oss's: top k of the router's logits (with a bias), then a softmax over those k; experts
+    # with biases and a SwiGLU clamped at swiglu_limit (engine.model.moe.ClampedSwiGLUExpert)
+    topk_then_softmax: bool = False
+    router_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class DecoderShape:
     no_rope_layers: tuple[int, ...] = ()
     # mixture of experts (Qwen3-MoE): the routed MLP's sizes and layers; None: dense MLPs only
     moe: MoeShape | None = None
+    attention_sinks: bool = False  # gpt-oss's: a learned logit per head, a key with no value
     # OLMo 2's: no norm before attention or the MLP (sandwich norms' post ones only), q/k norms
     # over a token's whole projection, every norm's weight applied in float32 before rounding
     pre_norms: bool = True

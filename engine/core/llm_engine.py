@@ -413,8 +413,11 @@ class LLMEngine:
 
     def _verifies_trees(self) -> bool:
         """A tree's mask hides keys by node, not by window; a sharded target's ranks are not led
-        the K/V moves of an accepted path."""
-        return self.target.tp is None and self.target.model.shape.sliding_window is None
+        the K/V moves of an accepted path; a hybrid's recurrent state follows one chain."""
+        target = self.target
+        return (
+            target.tp is None and target.model.shape.sliding_window is None and not target.is_hybrid
+        )
 
     def _runners(self) -> list[ModelRunner]:
         return [self.target] if self.draft is None else [self.target, self.draft]

@@ -45,15 +45,16 @@ _HF_SUFFIXES = (
 )
 # Names only some architectures hold, each in its own table: Gemma's norms after each sublayer
 # (gguf maps pre_feedforward_layernorm to ffn_norm, which is post_attention_layernorm in the other
-# families), OLMo 2's norm after the MLP, and the fused q/k/v and gate/up of Phi-3 (whose ffn_up
-# holds gate and up: up_proj is not its name there)
+# families), OLMo 2's norm after the MLP, GLM-4's norms, and the fused q/k/v and gate/up of Phi-3
+# and GLM-4 (whose ffn_up holds gate and up: up_proj is not its name there)
 _FUSED_SUFFIXES = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 _ARCH_SUFFIXES = {
     "gemma3": ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
     "olmo2": ("post_feedforward_layernorm",),
     "phi3": _FUSED_SUFFIXES,
+    "glm4": ("mlp.gate_up_proj", "post_self_attn_layernorm", "post_mlp_layernorm"),
 }
-_GATE_UP_FUSED_ARCHS = ("phi3",)
+_GATE_UP_FUSED_ARCHS = ("phi3", "glm4")
 # GGUF architectures whose q/k rows llama.cpp's converter permuted (LlamaModel.permute, which
 # Granite's and SmolLM3's converters inherit; transformers undoes it for llama).
 _PERMUTED_ARCHS = ("llama", "granite", "smollm3")
@@ -119,6 +120,8 @@ def read_gguf_weights(
             value = _convert(tensor)
         if arch in _PERMUTED_ARCHS and base.endswith(("attn_q", "attn_k")):
             value = _unpermute(value, _permute_heads(base, config))
+        if arch == "glm4" and base.endswith(("attn_q", "attn_k")):
+            value = _value_rows(value, _glm4_interleaved(value.shape[0], config))
         if arch in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
             value = _unshifted(value, tensor.name)
         yield hf_name, value
@@ -243,6 +246,23 @@ def _q4_k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _permute_heads(base: str, config: PretrainedConfig) -> int:
     heads = int(config.num_attention_heads)
     return int(getattr(config, "num_key_value_heads", None) or heads) if "attn_k" in base else heads
+
+
+def _glm4_interleaved(rows: int, config: PretrainedConfig) -> torch.Tensor:  # [rows]
+    """The file's rows in transformers' order: llama.cpp's converter (Glm4Model.normal_to_neox)
+    wrote each head's interleaved rotary dims as two halves, evens then odds, the rest after."""
+    head_dim = int(config.head_dim)
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
+    rotated = int(head_dim * float(factor or 0.5))  # GLM-4's default: half of each head
+    dim = torch.arange(head_dim)
+    in_file = torch.where(dim % 2 == 0, dim // 2, rotated // 2 + dim // 2)
+    per_head = torch.where(dim < rotated, in_file, dim)
+    return (torch.arange(0, rows, head_dim)[:, None] + per_head).flatten()
+
+
+def _value_rows(value: GgufTensor, rows: torch.Tensor) -> GgufTensor:
+    return value[rows] if isinstance(value, torch.Tensor) else value.rows(rows)
 
 
 def _unpermute(value: GgufTensor, n_head: int) -> GgufTensor:

@@ -1,10 +1,11 @@
-"""Phi-3/Phi-4, Granite and SmolLM3 from GGUF files, exact: tiny random models written as
-llama.cpp's converter writes each (tests/gguf_families.py: Phi-3's fused q/k/v and gate/up with
-its longrope factors as tensors and a partial rotary, Granite's scales, SmolLM3 and Granite with
-q/k permuted as Llama's), in F32 and Q8_0, loaded with `quantization` gguf (the file's blocks) and
-none (converted to bfloat16 safetensors), against transformers holding the same weights as gguf's
-own reader dequantizes them. transformers cannot read the Granite and SmolLM3 files at all, nor
-the Phi-3 file's rope (engine/model/gguf_dense.py)."""
+"""Phi-3/Phi-4, Granite, SmolLM3, OLMo 2 and GLM-4 from GGUF files, exact: tiny random models
+written as llama.cpp's converter writes each (tests/gguf_families.py: Phi-3's fused q/k/v and
+gate/up with its longrope factors as tensors and a partial rotary, Granite's scales, SmolLM3 and
+Granite with q/k permuted as Llama's, GLM-4's interleaved rotary dims as halves), in F32 and
+Q8_0, loaded with `quantization` gguf (the file's blocks) and none (converted to bfloat16
+safetensors), against transformers holding the same weights as gguf's
+own reader dequantizes them. transformers cannot read the Granite, SmolLM3, OLMo 2 and GLM-4
+files at all, nor the Phi-3 file's rope (engine/model/gguf_dense.py)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ FAMILIES: dict[str, dict[str, object]] = {
         logits_scaling=2.0,
     ),  # fmt: skip
     "smollm3": dict(num_layers=4),  # layer 3 without rope, as llama.cpp's fixed step of 4
+    "olmo2": dict(num_layers=2),
+    "glm4": dict(num_layers=2),  # half of each head rotating, interleaved; q/k/v biases
 }
 ATOL = 1e-4
 needs_kernels = pytest.mark.skipif(not gguf_ops.available(), reason="native kernels not built")
@@ -105,6 +108,8 @@ def test_config_is_read_as_llama_cpp_reads_it(src: Path) -> None:
         ],  # fmt: skip
         "smollm3": ["no_rope_layers"],
         "phi3": ["original_max_position_embeddings", "partial_rotary_factor"],
+        "olmo2": [],
+        "glm4": ["attention_bias"],
     }[want.model_type]
     for f in fields:
         assert getattr(got, f) == _approx(getattr(want, f)), f

@@ -45,8 +45,9 @@ _ANTHROPIC_TYPES = {
 }
 ANTHROPIC_PATHS = ("/v1/messages",)
 
-# Seconds a client (or router) should wait before retrying here: the queue drains in about a
-# step; a loading or draining server takes longer, and a router retries elsewhere meanwhile.
+# Seconds a client (or router) should wait before retrying here, where the error carries no
+# advice of its own: `server/admission.py` advises each 429 and each loading or draining 503 from
+# the queue's state, spread per response.
 RETRY_AFTER = {429: "1", 503: "5"}
 
 
@@ -54,13 +55,19 @@ class APIError(Exception):
     """Raised anywhere in request handling; the app turns it into an error response."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds, for the Retry-After header (429, 503)
 
     def body(self) -> ErrorResponse:
         kind = _TYPES.get(self.status, "invalid_request_error")
@@ -76,7 +83,9 @@ class APIError(Exception):
     def response(self, path: str = "") -> JSONResponse:
         """OpenAI's shape, or Anthropic's for the Messages API's paths."""
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
-        if self.status in RETRY_AFTER:
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        elif self.status in RETRY_AFTER:
             headers["Retry-After"] = RETRY_AFTER[self.status]
         if path.startswith(ANTHROPIC_PATHS):
             body = self.anthropic_body()
@@ -89,5 +98,5 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
-def not_ready(message: str = "the engine is not ready") -> APIError:
-    return APIError(503, message, code="engine_not_ready")
+def not_ready(message: str = "the engine is not ready", retry_after: int | None = None) -> APIError:
+    return APIError(503, message, code="engine_not_ready", retry_after=retry_after)

@@ -76,17 +76,33 @@ _BY_PROPOSER = {
 _K_CHOSEN = "spec_decode_k_per_request"
 _K_BUCKETS = tuple(float(k) for k in range(0, 17))
 _SUCCESS = "request_success"
+_REFUSED = "request_refused"
+_RETRY_AFTER = "retry_after_seconds"
+_RETRY_AFTER_BUCKETS = (1.0, 2.0, 3.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
+_GOODPUT = "goodput_tokens"
+# Why a request got 429 (server/admission.py): a fixed cap on waiting requests, the memory the
+# waiting queue may hold, or a wait beyond the bound at the measured completion rate.
+REFUSAL_REASONS = ("requests", "memory", "wait")
 _BY_ENDPOINT = "api_requests"
 _CACHE_CONFIG = "cache_config_info"
 
 METRIC_NAMES: tuple[str, ...] = (
     *(
         f"{PREFIX}{name}_total"
-        for name in (*_COUNTERS, _PER_POS, _DRAFTS_PER_POS, _SUCCESS, *_BY_PROPOSER, _BY_ENDPOINT)
+        for name in (
+            *_COUNTERS,
+            _PER_POS,
+            _DRAFTS_PER_POS,
+            _SUCCESS,
+            *_BY_PROPOSER,
+            _BY_ENDPOINT,
+            _REFUSED,
+            _GOODPUT,
+        )
     ),
     *(
         f"{PREFIX}{name}"
-        for name in (*_HISTOGRAMS, *_GAUGES, _MEAN_LENGTH, _K_CHOSEN, _CACHE_CONFIG)
+        for name in (*_HISTOGRAMS, *_GAUGES, _MEAN_LENGTH, _K_CHOSEN, _CACHE_CONFIG, _RETRY_AFTER)
     ),
 )
 
@@ -143,6 +159,7 @@ class Metrics:
         )  # fmt: skip
         for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name, reason)
+        self._add_admission_metrics()
         self._by_endpoint = Counter(
             PREFIX + _BY_ENDPOINT, "Requests admitted, by API endpoint.",
             ["model_name", "endpoint"], registry=reg,
@@ -162,6 +179,23 @@ class Metrics:
         if compat == "vllm":
             sources = counters | gauges | {_CACHE_CONFIG: self._cache_config}
             reg.register(VllmAliases({n: sources[n] for n in VLLM_ALIASES}))
+
+    def _add_admission_metrics(self) -> None:
+        reg, name = self.registry, self.model_name
+        self._refused = Counter(
+            PREFIX + _REFUSED, "Requests refused with 429, by reason (requests, memory, wait).",
+            ["model_name", "reason"], registry=reg,
+        )  # fmt: skip
+        for reason in REFUSAL_REASONS:
+            self._refused.labels(name, reason)
+        self._retry_after = Histogram(
+            PREFIX + _RETRY_AFTER, "Retry-After advised, by status (429 queue full, 503 loading "
+            "or draining).", ["model_name", "status"], buckets=_RETRY_AFTER_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self._goodput = Counter(
+            PREFIX + _GOODPUT, "Output tokens of requests that ran to their end (stop or length): "
+            "what clients got; its rate is the goodput.", ["model_name"], registry=reg,
+        ).labels(name)  # fmt: skip
 
     def set_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
         """Once the engine has sized its KV pool (the endpoint picker reads it for prefix scoring)."""
@@ -222,6 +256,8 @@ class Metrics:
         t = out.times
         end = t.finished or out.step_time
         self._success.labels(self.model_name, out.finish_reason or "abort").inc()
+        if out.finish_reason in ("stop", "length"):
+            self._goodput.inc(out.num_output_tokens)
         self.observe_interval("e2e_request_latency_seconds", t.arrival, end)
         self.observe_interval("request_queue_time_seconds", t.arrival, t.first_scheduled)
         self.observe_interval("request_prefill_time_seconds", t.first_scheduled, t.prefill_done)
@@ -230,6 +266,13 @@ class Metrics:
     def count_request(self, endpoint: str) -> None:
         """A request admitted (validated, its engine requests about to start) at `endpoint`."""
         self._by_endpoint.labels(self.model_name, endpoint).inc()
+
+    def count_refused(self, reason: str) -> None:
+        """A 429: the request was valid but the waiting queue could not take it."""
+        self._refused.labels(self.model_name, reason).inc()
+
+    def observe_retry_after(self, seconds: float, status: int) -> None:
+        self._retry_after.labels(self.model_name, str(status)).observe(seconds)
 
     def count_aborted(self) -> None:
         """A request the client left: the engine's final output went to no one."""

@@ -108,6 +108,11 @@ class AsyncLLM:
         return len(self.engine.scheduler.waiting)
 
     @property
+    def max_num_seqs(self) -> int:
+        """How many requests may run at once: requests beyond it wait."""
+        return self.engine.config.max_num_seqs
+
+    @property
     def kv_cache_usage(self) -> float:
         return self.engine.block_manager.usage
 

@@ -31,8 +31,7 @@ def messages_routes(
         req: MessagesBody, raw: Request, s: AnthropicServingMessages = Serving
     ) -> Response:
         s.check_model(req.model)
-        chat, jobs = await s.prepare(req)
-        s.check_capacity()
+        chat, jobs = await s.prepare(req)  # admitted there (chat_jobs), or a 429
         if req.stream:
             return sse(s, s.stream_message(chat, jobs))
         return JSONResponse((await s.create_message(chat, jobs, raw)).model_dump())

@@ -90,7 +90,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = req.max_new_tokens or max(1, self.max_model_len - len(ids))
         constraints = await self.constraints(req, req.grammar_request())
         jobs = self.jobs(req, response_id, [(ids, text)], max_tokens, param, constraints)
-        self.check_capacity()
+        self.check_capacity(jobs)
         return jobs
 
     # ------------------------------------------------------------------ responses

@@ -11,6 +11,7 @@ from server.errors import bad_request
 from server.openai.protocol import CompletionRequest, random_id
 from server.openai.protocol_out import CompletionChoice, CompletionLogprobs, CompletionResponse
 from server.openai.serving import (
+    MAX_CHOICES,
     Choice,
     Job,
     OpenAIServing,
@@ -46,18 +47,41 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     async def completion_jobs(self, req: CompletionRequest, response_id: str) -> list[Job]:
-        prompts: list[str | list[int]]
-        if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)):
-            prompts = [req.prompt]  # type: ignore[list-item]
-        else:
-            prompts = list(req.prompt)  # type: ignore[arg-type]
+        prompts = self._prompts(req)
         tokenized = [(self._tokenize(p), p if isinstance(p, str) else None) for p in prompts]
         constraints = await self.constraints(req, req.grammar_request())
         jobs = self.jobs(
             req, response_id, tokenized, req.max_tokens or 16, "max_tokens", constraints
         )
-        self.check_capacity()
+        self.check_capacity(jobs)
         return jobs
+
+    def surely_valid(self, req: CompletionRequest) -> bool:
+        """No grammar or logit_bias to compile, token ids in the vocabulary, and each text prompt
+        within the window at twice its UTF-8 length plus special tokens (byte-level and byte-
+        fallback tokenizers give at most one token per byte): the checks of the full path at an
+        upper bound of the prompt's length, without tokenizing."""
+        prompts = self._prompts(req)
+        if req.grammar_request() is not None or req.logit_bias or req.echo:
+            return False
+        if len(prompts) * (req.n or 1) > MAX_CHOICES:
+            return False
+        try:
+            params = req.to_sampling_params(req.max_tokens or 16, 0, None)
+            for prompt in prompts:
+                if isinstance(prompt, list) and max(prompt) >= self.vocab_size:
+                    return False
+                bound = [0] * (2 * len(prompt.encode()) + 8) if isinstance(prompt, str) else prompt
+                self.engine.validate(bound, params)
+        except ValueError:
+            return False
+        return True
+
+    @staticmethod
+    def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+        if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)):
+            return [req.prompt]  # type: ignore[list-item]
+        return list(req.prompt)  # type: ignore[arg-type]
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

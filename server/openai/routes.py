@@ -48,6 +48,7 @@ def openai_routes(
         req: CompletionBody, raw: Request, s: OpenAIServingCompletion = Completions
     ) -> Response:
         s.check_model(req.model)
+        s.refuse_early(req)
         if req.stream:
             return sse(s, await s.create_stream(req))
         return JSONResponse((await s.create(req, raw)).model_dump())

@@ -24,6 +24,7 @@ from engine.outputs import ContextLengthError, RequestOutput, SpecStats, TokenLo
 from engine.sample import structured
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import Constraints
+from server.admission import Admission, AdmissionConfig
 from server.errors import APIError, bad_request, not_ready
 from server.metrics import Metrics
 from server.openai.protocol import GrammarRequest, SamplingFields, now
@@ -92,6 +93,11 @@ class Choice:
         self.num_outputs += 1
 
 
+def job_sizes(jobs: list[Job]) -> list[tuple[str, int]]:
+    """(request id, prompt tokens) of each job, what admission weighs."""
+    return [(job.request_id, len(job.prompt_ids)) for job in jobs]
+
+
 def spec_summary(spec: SpecStats) -> SpecDecodeSummary:
     return SpecDecodeSummary(
         num_drafts=spec.num_drafts,
@@ -148,6 +154,8 @@ class OpenAIServing:
         self.model_name = settings.model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = len(engine.tokenizer)
+        # The app gives every endpoint the one it shares (`Endpoints.build`).
+        self.admission = Admission(AdmissionConfig.from_settings(settings), metrics)
 
     # ------------------------------------------------------------------ admission
 
@@ -157,16 +165,21 @@ class OpenAIServing:
                 404, f"The model '{model}' does not exist", param="model", code="model_not_found"
             )
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, jobs: list[Job]) -> None:
         """Called once a request is fully validated: a bad request is a 400, never a 429."""
         if not self.engine.is_alive:
             raise not_ready("the engine has stopped")
-        if self.engine.num_waiting >= self.settings.max_waiting_requests:
-            raise APIError(
-                429,
-                f"too many requests waiting ({self.engine.num_waiting}); retry later",
-                code="rate_limit_exceeded",
-            )
+        self.admission.admit(self.engine, job_sizes(jobs))
+
+    def refuse_early(self, req: Any) -> None:
+        """Before the request's expensive part (tokenizing, a chat template, a grammar): a 429
+        when the queue could take no request at all and this one is surely valid."""
+        self.admission.refuse_if_full(self.engine, lambda: self.surely_valid(req))
+
+    def surely_valid(self, req: Any) -> bool:
+        """Whether the full path would surely accept `req` (parsed and validated by pydantic);
+        an endpoint that cannot tell cheaply says False and refuses after full validation."""
+        return False
 
     # ------------------------------------------------------------------ requests -> jobs
 
@@ -248,6 +261,7 @@ class OpenAIServing:
         queue: asyncio.Queue[tuple[Job, RequestOutput | BaseException | None]] = asyncio.Queue()
         unfinished = {job.request_id for job in jobs}
         self.metrics.count_request(self.endpoint)
+        self.admission.started(job_sizes(jobs))
 
         async def pump(job: Job) -> None:
             tracker = self.metrics.track()
@@ -270,6 +284,7 @@ class OpenAIServing:
                 if item is not None:
                     yield job, item
         finally:
+            self.admission.finished([j.request_id for j in jobs], len(jobs) - len(unfinished))
             await self._cleanup(tasks, unfinished)
 
     async def _cleanup(self, tasks: list[asyncio.Task[None]], unfinished: set[str]) -> None:

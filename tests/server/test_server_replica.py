@@ -99,7 +99,7 @@ def test_retry_after_on_429_and_503(tiny_model_dir: Path) -> None:
         assert "retry-after" not in http.post("/v1/completions", json=body).headers
         engine.num_waiting = 2
         r = http.post("/v1/completions", json=body)
-        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         app.state.server.shutting_down = True
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 503 and int(r.headers["retry-after"]) > 0

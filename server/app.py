@@ -89,6 +89,11 @@ class ServerState:
             return "loading"
         return "ready" if self.engine.is_alive else "dead"
 
+    def cut_unfinished(self) -> None:
+        """The grace period is over: a stored response cut from now on ends failed."""
+        if self.serving is not None:
+            self.serving.responses.stopping = True
+
 
 def create_app(
     engine: AsyncLLM | None,
@@ -111,10 +116,13 @@ def create_app(
             state.background.add(task)
         yield
         state.shutting_down = True
+        state.cut_unfinished()
         for task in state.background:
             task.cancel()
         if state.engine is not None:
             await state.engine.shutdown(grace_s=settings.shutdown_grace_s)
+        if state.serving is not None:
+            await state.serving.responses.close()
 
     app = FastAPI(title="specserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
@@ -143,7 +151,10 @@ async def _attach(state: ServerState, engine: AsyncLLM) -> None:
     state.background.add(warm)
     await engine.start()
     state.engine = engine
-    state.serving = Endpoints.build(engine, state.settings, state.metrics)
+    serving = Endpoints.build(engine, state.settings, state.metrics)
+    # Before /health reports ready: the responses an earlier process left unfinished end failed.
+    await asyncio.to_thread(serving.responses.fail_interrupted)
+    state.serving = serving
     if state.on_ready is not None:
         state.on_ready()
 

@@ -3,7 +3,8 @@
 uvicorn starts first and answers /health with 503 while the engine loads in a thread. SIGTERM stops
 admission (503 on /health and new requests; /live stays 200) and keeps listening while the running
 requests finish, within shutdown_grace_s; then uvicorn closes its socket and the engine stops.
-A second signal skips the wait.
+A stored response it cuts ends `failed` (server/responses/interrupted.py). A second signal skips
+the wait.
 """
 
 from __future__ import annotations
@@ -190,6 +191,7 @@ def _graceful_server(config: Any, state: Any) -> Any:
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if state.shutting_down:
+                state.cut_unfinished()
                 super().handle_exit(sig, frame)
                 return
             logger.info("signal %d: no new requests; finishing the running ones", sig)
@@ -203,6 +205,7 @@ def _graceful_server(config: Any, state: Any) -> Any:
 
         def _exit_when_drained(self, sig: int, frame: Any) -> None:
             _wait_drained(state)
+            state.cut_unfinished()  # what runs still is cut: its stored responses end failed
             super().handle_exit(sig, frame)
 
     return Server(config)

@@ -1,6 +1,10 @@
 """/v1/responses: a Responses request runs as the chat request it converts to (same template,
 grammar, tool parsing and sampling); its output becomes Responses items, whole, streamed as typed
 events, or in the background. Stored responses continue through `previous_response_id`.
+
+A stored response that streams or runs in the background is written when it starts, with its
+output so far while it runs, and when it ends; one the server cannot finish ends `failed`
+(server/responses/interrupted.py).
 """
 
 from __future__ import annotations
@@ -8,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -23,6 +30,12 @@ from server.openai.protocol import ChatCompletionRequest, now
 from server.openai.serving import Choice, Job, Stream, as_api_error, total_spec, usage_of
 from server.request_body import validation_error
 from server.responses.events import Event, OutputBuilder
+from server.responses.interrupted import (
+    CHECKPOINT_S,
+    UNFINISHED,
+    as_interrupted,
+    stopped_error,
+)
 from server.responses.protocol import (
     IncompleteDetails,
     ResponseError,
@@ -39,6 +52,7 @@ from server.settings import Settings
 if TYPE_CHECKING:
     from engine.core.async_engine import AsyncLLM
 
+logger = logging.getLogger("specserve.server")
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 _FINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete"}
 
@@ -53,6 +67,16 @@ class Prepared:
     start: ResponseObject
     stored: StoredResponse  # input items and history; the response is filled in as it runs
     owner: str
+
+
+@dataclass
+class Progress:
+    """A streamed or background response while it runs: what it has produced so far."""
+
+    choice: Choice
+    builder: OutputBuilder = field(default_factory=OutputBuilder)
+    final: ResponseObject | None = None  # set once the engine has finished it
+    saved_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -75,6 +99,9 @@ class OpenAIServingResponses(OpenAIServingChat):
         self._store: ResponseStore | None = None
         self.running: dict[str, Running] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        # Set once the server cuts what still runs (its grace period is over): a response that
+        # ends unfinished from then on failed, it was not cancelled.
+        self.stopping = False
 
     @property
     def store(self) -> ResponseStore:
@@ -117,8 +144,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                 "previous_response_id",
                 "previous_response_not_found",
             )
-        if previous.response.get("status") in ("queued", "in_progress"):
-            raise bad_request("the previous response is still in progress", "previous_response_id")
+        _check_continuable(req.previous_response_id, previous.response)
         return previous.context
 
     async def create_response(self, p: Prepared, raw: Request) -> ResponseObject:
@@ -138,8 +164,6 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     def _final(self, p: Prepared, builder: OutputBuilder, c: Choice) -> ResponseObject:
         status = _status(c)
-        usage = usage_of([c])
-        cached = (usage.prompt_tokens_details or {}).get("cached_tokens", 0)
         return p.start.model_copy(
             update={
                 "status": status,
@@ -150,19 +174,43 @@ class OpenAIServingResponses(OpenAIServingChat):
                     else None
                 ),
                 "output": builder.items,
-                "usage": ResponseUsage(
-                    input_tokens=usage.prompt_tokens,
-                    input_tokens_details={"cached_tokens": cached},
-                    output_tokens=usage.completion_tokens,
-                    total_tokens=usage.total_tokens,
-                ),
+                "usage": _usage(c),
                 "spec_decode": total_spec([c]),
             }
         )
 
-    def _failed(self, p: Prepared, exc: BaseException) -> ResponseObject:
+    def _failed(self, p: Prepared, exc: BaseException, progress: Progress) -> ResponseObject:
         error = ResponseError(code="server_error", message=as_api_error(exc).message)
-        return p.start.model_copy(update={"status": "failed", "error": error})
+        return self._partial(p, progress, "failed").model_copy(update={"error": error})
+
+    def _partial(self, p: Prepared, progress: Progress, status: str) -> ResponseObject:
+        """The response with what it has produced so far: a checkpoint while it runs, or its
+        end when it was cut (the open item closed as incomplete)."""
+        if status != "in_progress":
+            progress.builder.close("incomplete")
+        return p.start.model_copy(
+            update={
+                "status": status,
+                "output": [item.model_copy() for item in progress.builder.items],
+                "usage": _usage(progress.choice),
+            }
+        )
+
+    def _ending(self, p: Prepared, progress: Progress) -> ResponseObject:
+        """How a streamed or background response is stored at its end: as the engine finished it,
+        else (the client left, or the server cut it) with its output so far."""
+        final = progress.final
+        if final is not None and not (self.stopping and final.status == "cancelled"):
+            return final
+        if not self.stopping:
+            return final or self._partial(p, progress, "cancelled")
+        return self._partial(p, progress, "failed").model_copy(update={"error": stopped_error()})
+
+    def _checkpoint(self, p: Prepared, progress: Progress) -> None:
+        """Store the output so far, at most every CHECKPOINT_S: what survives a crash."""
+        if p.req.store and time.monotonic() - progress.saved_at >= CHECKPOINT_S:
+            self._save(p, self._partial(p, progress, "in_progress"))
+            progress.saved_at = time.monotonic()
 
     def _save(self, p: Prepared, response: ResponseObject) -> None:
         if p.req.store:
@@ -182,13 +230,16 @@ class OpenAIServingResponses(OpenAIServingChat):
         return p.start
 
     async def _run_background(self, p: Prepared) -> None:
+        """As a stream nobody reads: the same output, checkpointed the same way."""
+        progress = Progress(Choice(p.jobs[0]))
         with self._running(p):
             try:
-                (choice,) = await self._collect(p.jobs)
-                response = self._whole(p, choice)
+                async for _ in self._output_events(p, progress):
+                    pass
             except Exception as exc:
-                response = self._failed(p, exc)
-            self._save(p, response)
+                progress.final = self._failed(p, exc, progress)
+            finally:
+                self._save(p, self._ending(p, progress))
 
     # ------------------------------------------------------------------ streaming
 
@@ -206,31 +257,60 @@ class OpenAIServingResponses(OpenAIServingChat):
         first = p.start.model_dump()
         yield sse({"type": "response.created", "response": first})
         yield sse({"type": "response.in_progress", "response": first})
-        final = p.start.model_copy(update={"status": "cancelled"})  # if the client leaves
+        progress = Progress(Choice(p.jobs[0]))
         with self._running(p):
             try:
-                async for event in self._output_events(p):
-                    if isinstance(event, ResponseObject):
-                        final = event
-                    else:
-                        yield sse(event)
+                async for event in self._output_events(p, progress):
+                    yield sse(event)
             except Exception as exc:
-                final = self._failed(p, exc)
-            finally:
+                progress.final = self._failed(p, exc, progress)
+            finally:  # also when the client leaves or the server cuts the stream
+                final = self._ending(p, progress)
                 self._save(p, final)
         kind = _FINAL_EVENT.get(final.status, "response.failed")
         yield sse({"type": kind, "response": final.model_dump()})
 
-    async def _output_events(self, p: Prepared) -> AsyncIterator[Event | ResponseObject]:
-        builder, c = OutputBuilder(), Choice(p.jobs[0])
+    async def _output_events(self, p: Prepared, progress: Progress) -> AsyncIterator[Event]:
+        """The stream's events; `progress` holds the output so far and, at the end, the final
+        response."""
+        builder, c = progress.builder, progress.choice
         async with aclosing(self.run(p.jobs)) as outputs:
             async for _, out in outputs:
+                # Here every earlier event has been taken (sent, for a stream), so a checkpoint
+                # never holds text a client did not get.
+                self._checkpoint(p, progress)
                 c.add(out)
                 for event in builder.feed(output_delta(c, out, p.chat)):
                     yield event
         for event in builder.finish(_item_status(c)):
             yield event
-        yield self._final(p, builder, c)
+        progress.final = self._final(p, builder, c)
+
+    # ------------------------------------------------------------------ the server's life
+
+    def fail_interrupted(self) -> int:
+        """At start-up, before the server reports ready: every response an earlier process left
+        queued or in progress becomes failed (its output so far kept). A store file that does
+        not exist yet is not created; the memory store starts empty."""
+        path = self.settings.response_store_file
+        if path == ":memory:" or not Path(path).exists():
+            return 0
+        ids = self.store.rewrite_unfinished(as_interrupted)
+        if ids:
+            logger.warning(
+                "%d stored responses were cut by an earlier stop of the server; now failed: %s",
+                len(ids), ", ".join(ids[:10]) + (", ..." if len(ids) > 10 else ""),
+            )  # fmt: skip
+        return len(ids)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """At shutdown, once the engine has stopped: the background responses end (failed, as
+        cut), and whatever is still unfinished in the store is failed too."""
+        self.stopping = True
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=timeout_s)
+        if self._store is not None:
+            self._store.rewrite_unfinished(as_interrupted)
 
     # ------------------------------------------------------------------ stored responses
 
@@ -289,6 +369,38 @@ class _Registered:
     def __exit__(self, *exc: object) -> None:
         self.running.pop(self.response_id, None)
         self.entry.done.set()
+
+
+def _check_continuable(response_id: str, previous: dict[str, Any]) -> None:
+    """Only a response that ended on its own can be continued: an unfinished one has no last
+    turn yet, a failed one a cut-off turn."""
+    status = previous.get("status")
+    if status in UNFINISHED:
+        raise APIError(
+            400,
+            f"Previous response with id '{response_id}' is still {status}; wait for it to finish.",
+            "previous_response_id",
+            "previous_response_in_progress",
+        )
+    if status == "failed":
+        why = (previous.get("error") or {}).get("message", "")
+        raise APIError(
+            400,
+            f"Previous response with id '{response_id}' failed and cannot be continued. {why}",
+            "previous_response_id",
+            "previous_response_failed",
+        )
+
+
+def _usage(c: Choice) -> ResponseUsage:
+    usage = usage_of([c])
+    cached = (usage.prompt_tokens_details or {}).get("cached_tokens", 0)
+    return ResponseUsage(
+        input_tokens=usage.prompt_tokens,
+        input_tokens_details={"cached_tokens": cached},
+        output_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+    )
 
 
 def _status(c: Choice) -> str:

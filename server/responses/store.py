@@ -4,7 +4,9 @@ before it, so `previous_response_id` can continue it and GET can return it.
 One SQLite table, in a file by default (a restart loses nothing) or in memory. Bounded twice:
 responses older than the retention go first, then the oldest beyond the size limit. Every
 lookup names the owner (a hash of the caller's API key, or "" without keys); another owner's
-response reads as absent.
+response reads as absent. A file belongs to one server process at a time: its start-up fails
+the responses an earlier process left unfinished (`rewrite_unfinished`, server/responses/
+interrupted.py).
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import json
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from server.responses.interrupted import UNFINISHED
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -71,6 +76,10 @@ class ResponseStore:
         with self._lock:
             if self.path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
+                # A commit is in the WAL once written, so a killed process loses none; only a
+                # power cut may lose the last ones (never corrupting the file). Without the fsync
+                # per commit, a running response's checkpoints stay cheap.
+                self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
 
     def put(self, response_id: str, owner: str, stored: StoredResponse) -> None:
@@ -103,6 +112,30 @@ class ResponseStore:
                 "DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
             )
         return cursor.rowcount > 0
+
+    def rewrite_unfinished(self, change: Callable[[dict[str, Any]], dict[str, Any]]) -> list[str]:
+        """Every response still queued or in progress, whoever owns it, rewritten by `change`
+        (one transaction); returns their ids."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                rows = self._db.execute(
+                    "SELECT id, body FROM responses WHERE json_extract(body, '$.response.status') "
+                    f"IN ({', '.join('?' * len(UNFINISHED))})",
+                    UNFINISHED,
+                ).fetchall()
+                for response_id, body in rows:
+                    stored = StoredResponse.from_json(body)
+                    changed = replace(stored, response=change(stored.response))
+                    self._db.execute(
+                        "UPDATE responses SET body = ? WHERE id = ?",
+                        (changed.to_json(), response_id),
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return [response_id for response_id, _ in rows]
 
     def __len__(self) -> int:
         with self._lock:

@@ -5,15 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-SpecMethod = Literal["none", "draft", "ngram", "hybrid", "eagle3"]
+SpecMethod = Literal["none", "draft", "ngram", "hybrid", "eagle3", "mtp"]
 # The proposers each method runs: hybrid takes an n-gram match where there is one, else the draft;
-# eagle3 an EAGLE-3 head (draft_model: its folder) reading the target's hidden states.
+# eagle3 an EAGLE-3 head (draft_model: its folder) reading the target's hidden states; mtp the
+# target's own multi-token-prediction layer (Qwen3.5's, from its checkpoint).
 PROPOSERS: dict[str, tuple[str, ...]] = {
     "none": (),
     "draft": ("draft",),
     "ngram": ("ngram",),
     "hybrid": ("ngram", "draft"),
     "eagle3": ("eagle3",),
+    "mtp": ("mtp",),
 }
 Dtype = Literal["float32", "bfloat16", "float16"]
 # auto: a GGUF's quantized tensors stay quantized (int4 for Q4_K, int8 for the others), float
@@ -55,7 +57,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:
             raise ValueError(
-                "speculative method must be none, draft, ngram, hybrid or eagle3, "
+                "speculative method must be none, draft, ngram, hybrid, eagle3 or mtp, "
                 f"not {self.method!r}"
             )
         if self.num_speculative_tokens < 0:
@@ -114,8 +116,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        if self.tensor_parallel_size > 1 and self.speculative.method == "eagle3":
-            raise ValueError("eagle3 does not run with tensor parallelism yet")
+        if self.tensor_parallel_size > 1 and self.speculative.method in ("eagle3", "mtp"):
+            raise ValueError(f"{self.speculative.method} does not run with tensor parallelism yet")
         if self.tensor_parallel_size > 1 and self.speculative.draft_model == self.model:
             raise ValueError("with tensor parallelism the draft must be a different model")
         _check_quantization("quantization", self.quantization)

@@ -60,11 +60,12 @@ class Settings(BaseSettings):
         description="draft model for --speculative-method draft",
     )
     served_model_name: str | None = Field(default=None, description="model name clients use")
-    speculative_method: Literal["none", "draft", "ngram", "hybrid", "eagle3"] = Field(
+    speculative_method: Literal["none", "draft", "ngram", "hybrid", "eagle3", "mtp"] = Field(
         default=engine_default("speculative_method"),
         description="speculation: none, draft (a small model), ngram (prompt lookup), "
         "hybrid (an n-gram match where there is one, else the draft model), "
-        "eagle3 (an EAGLE-3 head, draft_model its folder, reading the target's hidden states)",
+        "eagle3 (an EAGLE-3 head, draft_model its folder, reading the target's hidden states), "
+        "mtp (the target's own multi-token-prediction layer: Qwen3.5)",
     )
     num_speculative_tokens: int = Field(
         default=engine_default("num_speculative_tokens"),

@@ -15,7 +15,9 @@ from engine.core.kv_sizing import num_kv_blocks
 from engine.core.scheduler import Scheduler
 from engine.model import device as devices
 from engine.model.eagle3 import load_eagle3_head
+from engine.model.hybrid import HybridDecoderModel
 from engine.model.loader import check_same_vocab, load_model
+from engine.model.mtp import load_mtp_head
 from engine.model.quantization import quantization_for
 from engine.model.runner import ModelRunner
 from engine.outputs import (
@@ -37,6 +39,7 @@ from engine.spec_decode.proposers import (
     DraftModelProposer,
     Eagle3Proposer,
     HybridProposer,
+    MtpProposer,
     NgramProposer,
     NoProposer,
     Proposal,
@@ -374,6 +377,8 @@ class LLMEngine:
             return self._ngram  # type: ignore[return-value]
         if spec.method == "eagle3":
             return self._eagle3_proposer()
+        if spec.method == "mtp":
+            return self._mtp_proposer()
         if spec.method not in ("draft", "hybrid"):
             return NoProposer()
         assert spec.draft_model is not None
@@ -409,6 +414,16 @@ class LLMEngine:
         )
         self.target.keep_aux_hidden(head.config.aux_layers(model.shape.num_layers))
         self._eagle3 = Eagle3Proposer(head, self.target)
+        return self._eagle3
+
+    def _mtp_proposer(self) -> Eagle3Proposer:
+        """The target's own MTP layer, from its checkpoint, reading its final hidden states."""
+        model = self.target.model
+        if not isinstance(model, HybridDecoderModel):
+            raise ValueError(f"--speculative-method mtp: {self.config.model} has no MTP layers")
+        head = load_mtp_head(model, self.target.loaded.iter_weights())
+        self.target.keep_aux_hidden((model.shape.num_layers,))
+        self._eagle3 = MtpProposer(head, self.target)
         return self._eagle3
 
     def _verifies_trees(self) -> bool:

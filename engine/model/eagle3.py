@@ -202,6 +202,10 @@ class Eagle3Head(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
+    @property
+    def feature_width(self) -> int:  # the target's three kept streams
+        return 3 * self.config.target_hidden_size
+
     def new_cache(self) -> HeadCache:
         c, weight = self.config, self.fc.weight
         return HeadCache(c.num_kv_heads, c.head_dim, weight.dtype, weight.device)

@@ -59,25 +59,26 @@ class GatedAttention(Attention):
         q_gate, k, v = self.qkv_proj(x).split([2 * s.q_size, s.kv_size, s.kv_size], dim=-1)
         q, gate = q_gate.view(-1, s.num_heads, 2 * s.head_dim).chunk(2, dim=-1)
         assert self.q_norm is not None and self.k_norm is not None
-        q = self._rotate(self.q_norm(q), rope)
-        k = self._rotate(self.k_norm(k.view(-1, s.num_kv_heads, s.head_dim)), rope)
+        q = partial_rope(self.q_norm(q), rope, self.rotary_dim)
+        k = partial_rope(self.k_norm(k.view(-1, s.num_kv_heads, s.head_dim)), rope, self.rotary_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         out = out * torch.sigmoid(gate.reshape(out.shape))
         return gemm_unrounded(self.o_proj, out)
 
-    def _rotate(
-        self,
-        x: torch.Tensor,  # [num_tokens, heads, head_dim]
-        rope: Rope,  # the decoder's tables: pair j with j + head_dim / 2, the first r / 2 rotating
-    ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
-        """transformers' partial rotary: dims i and i + r/2 of the first r rotate, the rest pass.
-        The decoder's tables hold the r/2 rotated frequencies first in each half."""
-        r, half = self.rotary_dim, x.shape[-1] // 2
-        cos, sin = rope
-        cos_r = torch.cat([cos[..., : r // 2], cos[..., : r // 2]], dim=-1)
-        sin_r = torch.cat([sin[..., : r // 2], sin[..., half : half + r // 2]], dim=-1)
-        return torch.cat([apply_rope(x[..., :r], cos_r, sin_r), x[..., r:]], dim=-1)
+
+def partial_rope(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]
+    rope: Rope,  # the decoder's tables: pair j with j + head_dim / 2, the first r / 2 rotating
+    rotary_dim: int,  # r
+) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+    """transformers' partial rotary: dims i and i + r/2 of the first r rotate, the rest pass.
+    The decoder's tables hold the r/2 rotated frequencies first in each half."""
+    r, half = rotary_dim, x.shape[-1] // 2
+    cos, sin = rope
+    cos_r = torch.cat([cos[..., : r // 2], cos[..., : r // 2]], dim=-1)
+    sin_r = torch.cat([sin[..., : r // 2], sin[..., half : half + r // 2]], dim=-1)
+    return torch.cat([apply_rope(x[..., :r], cos_r, sin_r), x[..., r:]], dim=-1)
 
 
 class LinearAttentionLayer(nn.Module):
@@ -113,6 +114,7 @@ class HybridDecoderModel(DecoderModel):
     def __init__(self, shape: DecoderShape, linear: LinearAttentionShape, rotary_dim: int) -> None:
         super().__init__(shape)
         self.linear_shape = linear
+        self.rotary_dim = rotary_dim
         self.linear_layers = tuple(i for i, t in enumerate(shape.layer_types) if t == LINEAR)
         self.layers = nn.ModuleList(self._layer(i, rotary_dim) for i in range(shape.num_layers))
 
@@ -148,7 +150,10 @@ class HybridDecoderModel(DecoderModel):
             else:
                 x, residual = layer(x, residual, rope, next(kv), meta)
         dtype = x.dtype if residual is None else residual.dtype
-        return self.norm.add_forward(x, residual, dtype)[0]
+        out = self.norm.add_forward(x, residual, dtype)[0]
+        if self.aux_layers:  # an MTP head's input: the final hidden state, after the norm
+            self.aux_hidden = out
+        return out
 
     def shard_sizes(self, module_name: str) -> list[int]:
         if module_name.endswith("self_attn.qkv_proj"):  # each head's query and gate

@@ -156,8 +156,10 @@ class ModelRunner:
     def keep_aux_hidden(self, layers: tuple[int, ...]) -> None:
         """Keep the stream entering these layers for every position computed (an EAGLE-3 head's
         features; call before allocate_kv_cache). The one-call native stack is skipped from now on."""
-        if self.tp is not None or self.is_hybrid:
-            raise ValueError("aux hidden states are kept for a dense, unsharded model only")
+        if self.tp is not None:
+            raise ValueError("aux hidden states are not kept for a sharded model")
+        if self.is_hybrid and layers != (self.model.shape.num_layers,):
+            raise ValueError("a hybrid model keeps only its final hidden state (an MTP head's)")
         if not all(0 <= j <= self.model.shape.num_layers for j in layers):
             raise ValueError(f"aux layers {layers} not in [0, {self.model.shape.num_layers}]")
         self.model.aux_layers = tuple(sorted(set(layers)))

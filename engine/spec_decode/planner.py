@@ -50,6 +50,7 @@ OPTIMISTIC_RATE = 0.9
 PROBE_K = 2  # drafts a request may get when it is re-probed
 FREE_CATCH_UP = 8  # tokens the draft model computes in its first forward without asking
 FED_BACK = 2  # rows a drafting request usually adds to the draft's first forward (last + bonus)
+FEATURE_HEADS = ("eagle3", "mtp")  # proposers that draft from the target's kept hidden states
 LENGTH_WINDOW = 8  # finished answers whose lower quartile is the typical length
 # A request is expected to run at most this many times the tokens it has produced so far: the
 # window tells how long answers run here, only the request's own tokens tell about this one.
@@ -261,14 +262,15 @@ class SpecPlanner:
         """The request's n-gram match or the draft model, whichever gives the step more tokens
         per second; the draft only where its catch-up (if any) pays."""
         state, seq = self.state_of(item.seq), item.seq
-        if item.k_for("eagle3"):
-            # An EAGLE-3 head, priced on the draft's curve; its catch-up (what the target accepted
-            # since) rides in its first forward. It drafts only in a step that computes just the
-            # last token: the features of the others do not exist yet.
+        head = next((h for h in FEATURE_HEADS if item.k_for(h)), None)
+        if head is not None:
+            # An EAGLE-3 or MTP head, priced on the draft's curve; its catch-up (what the target
+            # accepted since) rides in its first forward. It drafts only in a step that computes
+            # just the last token: the features of the others do not exist yet.
             if item.num_new_tokens != 1:
                 return None
-            gains, probe = self._gains(state, "eagle3", item.k_for("eagle3"))
-            return DraftOption(index, "eagle3", gains, FED_BACK, probe)
+            gains, probe = self._gains(state, head, item.k_for(head))
+            return DraftOption(index, head, gains, FED_BACK, probe)
         matched = ngram_drafts(item) if item.k_for("ngram") else 0
         ngram = self._gains(state, "ngram", matched) if matched else None
         draft = self._gains(state, "draft", item.k_for("draft")) if item.k_for("draft") else None

@@ -2,7 +2,7 @@
 
 from engine.spec_decode.proposers.base import NoProposer, Proposal, Proposer
 from engine.spec_decode.proposers.draft_model import DraftModelProposer
-from engine.spec_decode.proposers.eagle3 import Eagle3Proposer
+from engine.spec_decode.proposers.eagle3 import Eagle3Proposer, MtpProposer
 from engine.spec_decode.proposers.hybrid import HybridProposer
 from engine.spec_decode.proposers.ngram import NgramProposer
 
@@ -10,6 +10,7 @@ __all__ = [
     "DraftModelProposer",
     "Eagle3Proposer",
     "HybridProposer",
+    "MtpProposer",
     "NgramProposer",
     "NoProposer",
     "Proposal",

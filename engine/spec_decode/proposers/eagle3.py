@@ -25,17 +25,39 @@ import statistics
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.model import device as devices
 from engine.model.device import TimingMark, elapsed_seconds, start_timing, stop_timing
-from engine.model.eagle3 import Eagle3Head, HeadCache, HeadSpan
+from engine.model.eagle3 import HeadCache, HeadSpan
 from engine.model.runner import ModelRunner
 from engine.sample import structured
 from engine.sample.sampler import processed_probs, sample
 from engine.sequence import ScheduledSeq, Sequence
 from engine.spec_decode.proposers.base import Proposal
+
+
+class FeatureHead(Protocol):
+    """A one-layer head that drafts from the target's kept hidden states: an EAGLE-3 head
+    (engine/model/eagle3.py) or Qwen3.5's MTP layer (engine/model/mtp.py)."""
+
+    @property
+    def feature_width(self) -> int: ...  # the width of the target's kept features a row reads
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def new_cache(self) -> HeadCache: ...
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor: ...  # [T, feature_width] -> [T, hidden]
+
+    def __call__(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor, spans: list[HeadSpan]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # normed, the next step's hidden
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor: ...  # [N, hidden] -> [N, vocab]
 
 
 @dataclass
@@ -47,7 +69,7 @@ class _HeadState:
 class Eagle3Proposer:
     name = "eagle3"
 
-    def __init__(self, head: Eagle3Head, target: ModelRunner) -> None:
+    def __init__(self, head: FeatureHead, target: ModelRunner) -> None:
         self.head = head
         self.target = target  # keeps the aux hidden states the head reads
         self._states: weakref.WeakKeyDictionary[Sequence, _HeadState] = (
@@ -149,7 +171,7 @@ class Eagle3Proposer:
     def calibrate(self, rows: list[int], rounds: int = 3) -> list[tuple[int, float]]:
         """(rows, seconds) of a head forward with its logits at each row count, the median of
         `rounds` after a warm-up, on a scratch cache: before any request runs."""
-        width = 3 * self.head.config.target_hidden_size
+        width = self.head.feature_width
         measured = []
         for m in rows:
             features = torch.zeros(m, width, device=self.head.device)
@@ -204,3 +226,10 @@ class Eagle3Proposer:
         # Greedy and seeded requests verify by matching the target's own token: q goes unread.
         matched = item.seq.params.greedy or item.seq.seed_stream is not None
         return Proposal(drafted, None if matched else torch.stack(probs), self.name)
+
+
+class MtpProposer(Eagle3Proposer):
+    """Qwen3.5's own MTP layer, driven as an EAGLE-3 head: it reads the target's final hidden
+    state where EAGLE-3 reads three layers' streams (`speculative_method: mtp`)."""
+
+    name = "mtp"

@@ -51,8 +51,8 @@ def test_layers_pools_and_refusals(model_dir: Path) -> None:
     assert len(runner.kv_caches) == 1  # K/V for the one full-attention layer only
     assert runner.states is not None and len(runner.states.recurrent) == 3
     assert runner.num_state_slots == 4
-    with pytest.raises(ValueError, match="dense, unsharded"):
-        runner.keep_aux_hidden((1,))  # no EAGLE-3 features from a hybrid
+    with pytest.raises(ValueError, match="only its final hidden state"):
+        runner.keep_aux_hidden((1,))  # no EAGLE-3 features from a hybrid, only MTP's
 
 
 def _random_rule_inputs(n: int, seed: int) -> tuple[torch.Tensor, ...]:

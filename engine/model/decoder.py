@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.kernels import fused_ops
+from engine.kernels import fused_ops, gemma_ops
 from engine.model.attention import AttentionMetadata, attend, paged_attention
 from engine.model.moe import ClampedSwiGLUExpert, MoE
 from engine.model.norms import FlatNorm, NoNorm, RMSNorm
@@ -57,8 +57,9 @@ def gelu_tanh_mul(
     dtype: torch.dtype,  # the model's: where the eager ops round
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # [num_tokens, intermediate]: gelu_tanh(gate) * up (Gemma's GeGLU)
-    gate, up = gate_up.to(dtype).chunk(2, dim=-1)
-    return (F.gelu(gate, approximate="tanh") * up).to(out_dtype)
+    if dtype in (torch.float32, torch.bfloat16) and gemma_ops.usable(gate_up):
+        return gemma_ops.gelu_tanh_mul(gate_up, dtype, out_dtype)  # the native stack's own op
+    return gemma_ops.gelu_tanh_mul_reference(gate_up, dtype, out_dtype)
 
 
 _GATED = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
@@ -255,6 +256,7 @@ class LayerStack(Protocol):
         rope: Rope,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        local_rope: Rope | None = None,  # the sliding layers' (None: theirs is `rope`)
     ) -> torch.Tensor: ...  # [num_tokens, hidden]: the final norm's output
 
 
@@ -323,13 +325,15 @@ class DecoderModel(nn.Module):
         assert self.rotary is not None, "call init_rotary first"
         x = self._embed(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
-        if self.shape.layer_types:  # layers of two kinds: the eager loop picks each one's rope
+        local = None  # layers of two kinds: the sliding layers' rope
+        if self.shape.layer_types:
             local = (self.local_rotary or self.rotary).tables(positions, x.dtype)
-            return self.run_layers(x, rope, kv_caches, meta, local)
         if self.aux_layers:
-            return self.run_layers(x, rope, kv_caches, meta)
+            return self.run_layers(x, rope, kv_caches, meta, local)
         if self.native_stack is not None and self.native_stack.accepts(x, meta):
-            return self.native_stack(x, rope, kv_caches, meta)
+            return self.native_stack(x, rope, kv_caches, meta, local)  # Gemma 3's too
+        if local is not None:  # the eager loop picks each layer's rope
+            return self.run_layers(x, rope, kv_caches, meta, local)
         run_layers = self.compiled_layers or self.run_layers
         return run_layers(x, rope, kv_caches, meta)
 

@@ -6,11 +6,13 @@ and torch's dispatcher (module calls, kernel selection, casts, views): ~3.5 ms o
 (the same entry points, the same roundings, so bit for bit the same result) in one C++ loop.
 
 It applies where every one of them would run natively anyway: a CPU model whose linear layers
-are all GGUF blocks on the native kernels (`quantization: gguf`), no tensor parallelism, no q/k
-norm nor any of Gemma's switches, every layer rotating (not SmolLM3's), no residual multiplier
-(Granite's; its other constants act outside the layers, or are the attention scale it is given),
-and a forward of short queries only (decodes and verify queries, `AttentionMetadata.short_only`)
-in a dtype the fused ops and the attention kernel take. Prompt chunks, other devices, compiled
+are all GGUF blocks on the native kernels (`quantization: gguf`), no tensor parallelism, Llama's
+layer (no q/k norm, no norm after a sublayer, every layer rotating: not SmolLM3's; no residual
+multiplier: Granite's other constants act outside the layers, or are the attention scale it is
+given) or Gemma 3's (offset norms, q/k norms, sandwich norms, GeGLU, local layers with their own
+rope and a window: the native ops of engine/kernels/gemma_ops.py, which the Python loop calls
+too), and a forward of short queries only (decodes and verify queries,
+`AttentionMetadata.short_only`) in a dtype the fused ops and the attention kernel take. Prompt chunks, other devices, compiled
 graphs and forwards where a chunk would take the dense prefill GEMM keep the Python loop.
 `SPECSERVE_DECODER_STACK=0` turns it off.
 """
@@ -31,6 +33,7 @@ from engine.model.quant.native import GgufKernel, native_chunk_limit
 
 if TYPE_CHECKING:
     from engine.model.decoder import DecoderLayer, DecoderModel, KVCache
+    from engine.model.shape import DecoderShape
 
 log = logging.getLogger("specserve.engine")
 
@@ -45,15 +48,19 @@ class NativeStack:
         s = model.shape
         tensors, layout = _flatten(model)
         self.dtype = model.norm.weight.dtype
+        self.windowed = any(s.is_sliding(i) for i in range(s.num_layers))
+        sliding = [int(s.is_sliding(i)) for i in range(s.num_layers)]
         self.stack = torch.classes.specserve_kernels.DecoderStack(
             tensors, layout, model.norm.weight, s.rms_norm_eps, s.num_heads, s.num_kv_heads,
-            s.head_dim, s.attention_scale,
+            s.head_dim, s.attention_scale, is_gemma(s), sliding, s.sliding_window or 0,
         )  # fmt: skip
 
     def accepts(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         if not ENABLED or torch.compiler.is_compiling() or x.dtype != self.dtype:
             return False
         if not meta.short_only or meta.groups[0].start_pos is None:
+            return False
+        if self.windowed and (meta.sliding is None or meta.sliding.groups[0].start_pos is None):
             return False
         return meta.groups[0].max_query_len < native_chunk_limit(x.dtype)  # no row runs dense
 
@@ -63,11 +70,14 @@ class NativeStack:
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin [num_tokens, 1, head_dim]
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # the sliding layers'
     ) -> torch.Tensor:  # [num_tokens, hidden]: the final norm's output
         group = meta.groups[0]
+        local = meta.sliding.groups[0] if meta.sliding is not None else group
         out: torch.Tensor = self.stack.forward(
             x, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
-            group.block_tables, group.start_pos, group.query_lens,
+            group.block_tables, group.start_pos, group.query_lens, *(local_rope or rope),
+            local.block_tables,
         )  # fmt: skip
         return out
 
@@ -75,11 +85,8 @@ class NativeStack:
 def build(model: DecoderModel) -> NativeStack | None:
     """The native stack for a loaded model, or None where it does not apply."""
     s = model.shape
-    if not (ENABLED and _library_has_stack()) or s.qk_norm or s.norm_offset:
-        return None  # layers.cpp has Llama's layer only: no q/k norms, Gemma's norms or windows
-    if not s.layers_alike or s.residual_multiplier != 1.0 or s.sandwich_norms:
-        return None  # nor layers of two kinds (Gemma 3, SmolLM3), Granite's residual scaling
-        # or norms after the sublayers (GLM-4, OLMo 2)
+    if not (ENABLED and _library_has_stack()) or not (is_llama(s) or is_gemma(s)):
+        return None
     if model.norm.weight.device.type != "cpu" or model.norm.weight.dtype not in (
         torch.float32,
         torch.bfloat16,
@@ -93,6 +100,24 @@ def build(model: DecoderModel) -> NativeStack | None:
         "decode and verify forwards: %d layers in one native call (DecoderStack)", s.num_layers
     )
     return NativeStack(model)
+
+
+def is_llama(s: DecoderShape) -> bool:
+    """Llama's layer as layers.cpp computes it: no q/k norms, Gemma's norms or windows, layers
+    of one kind (not SmolLM3's), no residual scaling (Granite's), no norms after the sublayers
+    (GLM-4, OLMo 2), no experts or sinks."""
+    plain = not (s.qk_norm or s.norm_offset or s.sandwich_norms or s.attention_sinks)
+    return plain and s.layers_alike and s.residual_multiplier == 1.0 and s.moe is None
+
+
+def is_gemma(s: DecoderShape) -> bool:
+    """Gemma 3's layer as layers.cpp computes it (its local layers windowed)."""
+    switches = s.norm_offset and s.sandwich_norms and s.qk_norm and s.activation == "gelu_tanh"
+    odd = s.qk_norm_flat or not s.pre_norms or s.attention_sinks or s.no_rope_layers
+    kinds = set(s.layer_types) <= {"sliding_attention", "full_attention"}
+    window = s.sliding_window is not None or "sliding_attention" not in s.layer_types
+    plain = s.residual_multiplier == 1.0 and s.moe is None and not s.qkv_bias and not s.o_bias
+    return bool(switches and not odd and kinds and window and plain)
 
 
 def _library_has_stack() -> bool:
@@ -124,7 +149,7 @@ def _gguf_only(linear: torch.nn.Module) -> bool:
 
 
 def _flatten(model: DecoderModel) -> tuple[list[torch.Tensor], list[int]]:
-    """What DecoderStack reads (layers.cpp `Reader`): per layer its two norms' weights, then per
+    """What DecoderStack reads (layers.cpp `Reader`): per layer its norms' weights, then per
     linear layer its kernels' blocks and bias in `tensors`, and their count, qtypes and a
     has-bias flag in `layout`."""
     tensors: list[torch.Tensor] = []
@@ -132,6 +157,16 @@ def _flatten(model: DecoderModel) -> tuple[list[torch.Tensor], list[int]]:
     for layer in _layers(model):
         assert isinstance(layer.input_layernorm, RMSNorm)  # build() took pre-norm layers only
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if is_gemma(model.shape):  # then q_norm, k_norm, the feedforward's pre and post norms
+            attn = layer.self_attn
+            assert attn.q_norm is not None and attn.k_norm is not None
+            assert isinstance(layer.pre_feedforward_layernorm, RMSNorm)
+            assert layer.post_feedforward_layernorm is not None
+            norms += [attn.q_norm.weight, attn.k_norm.weight]
+            norms += [
+                layer.pre_feedforward_layernorm.weight,
+                layer.post_feedforward_layernorm.weight,
+            ]
         tensors += [norm.detach() for norm in norms]
         for linear in _linears(layer):
             assert isinstance(linear, QuantLinear)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels import fused_ops
+from engine.kernels import fused_ops, gemma_ops
 
 
 class RMSNorm(nn.Module):
@@ -29,6 +29,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 and round before the weight, as the reference implementations do;
         # Gemma's and OLMo 2's round after it (transformers' Gemma3RMSNorm, Olmo2RMSNorm).
+        # Gemma's runs natively where the op does: the native layer stack calls the same one.
+        if self.offset and gemma_ops.usable(x):
+            rows = x.reshape(-1, x.shape[-1])
+            out = gemma_ops.offset_rmsnorm(rows, None, self.weight, self.eps, x.dtype, x.dtype)[0]
+            return out.view(x.shape)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.late_round:
@@ -44,7 +49,11 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + residual) in out_dtype, x + residual
         """The residual add and the norm after it, one native pass where the fused ops run (the
         same roundings as the eager ops); compiled graphs keep the eager ops for inductor to fuse,
-        and late-rounding norms the eager ones (the native ops round before the weight)."""
+        and late-rounding norms the eager ones (the native ops round before the weight), but
+        Gemma's its own native one (engine.kernels.gemma_ops) where it runs."""
+        if self.offset and residual is not None and gemma_ops.usable(residual):
+            dtype = residual.dtype
+            return gemma_ops.offset_rmsnorm(x, residual, self.weight, self.eps, dtype, out_dtype)
         if not self.late_round and not torch.compiler.is_compiling() and fused_ops.usable(x):
             if residual is None:
                 return fused_ops.rmsnorm(x, self.weight, self.eps, out_dtype), x

@@ -15,6 +15,16 @@
 //   x   = gguf_mm(silu_mul(gguf_mm(h)))           gate_up, down, float32
 //
 // and after the last layer add_rmsnorm(x, residual) in the model's dtype.
+//
+// Gemma 3's layer (`gemma`), with gemma.cpp's ops in place of the eager ones decoder.py calls:
+//
+//   h, residual = offset_rmsnorm(x, residual)     input norm, x * (1 + w)
+//   qkv = gguf_mm(h); qk = offset_rmsnorm(q and k heads)   q/k norms
+//   q   = rope_write_kv(qk, v, its rope)          a local layer's rope (base 10,000), a global's
+//   x   = gguf_mm(paged_attention(q, its tables, its window))   a local layer's window
+//   x   = offset_rmsnorm(x)                       post-attention norm (sandwich)
+//   h, residual = offset_rmsnorm(x, residual)     pre-feedforward norm
+//   x   = offset_rmsnorm(gguf_mm(gelu_tanh_mul(gguf_mm(h))))   post-feedforward norm
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
@@ -22,6 +32,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -48,12 +59,16 @@ struct Linear {
 
 struct Layer {
   at::Tensor input_norm, post_norm;  // [hidden] in the model dtype
+  at::Tensor q_norm, k_norm;         // Gemma's: [head_dim]
+  at::Tensor pre_ff_norm, post_ff_norm;  // Gemma's: [hidden]
+  bool sliding = false;              // Gemma's local layers: their rope, tables and window
   Linear qkv, o, gate_up, down;
 };
 
 // Reads the flat arguments DecoderStack is built from (decoder_stack.py `_flatten`): per layer
-// the two norms' weights, then for each of qkv, o, gate_up and down its kernels' blocks and its
-// bias if any; `layout` holds per linear the kernel count, their qtypes and a has-bias flag.
+// the two norms' weights (Gemma: then q_norm, k_norm, pre- and post-feedforward norms), then for
+// each of qkv, o, gate_up and down its kernels' blocks and its bias if any; `layout` holds per
+// linear the kernel count, their qtypes and a has-bias flag.
 class Reader {
  public:
   Reader(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& layout)
@@ -88,15 +103,25 @@ class Reader {
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
+  // gemma: Gemma 3's layer; sliding: per layer 1 for a local one (Gemma), window their window
   DecoderStack(std::vector<at::Tensor> tensors, std::vector<int64_t> layout, at::Tensor final_norm,
-               double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
+               double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, bool gemma,
+               std::vector<int64_t> sliding, int64_t window)
       : final_norm_(std::move(final_norm)), eps_(eps), heads_(heads), kv_heads_(kv_heads),
-        head_dim_(head_dim), scale_(scale) {
+        head_dim_(head_dim), scale_(scale), gemma_(gemma), window_(window) {
     Reader read(tensors, layout);
     while (!read.done()) {
       Layer layer;
       layer.input_norm = read.tensor();
       layer.post_norm = read.tensor();
+      if (gemma) {
+        layer.q_norm = read.tensor();
+        layer.k_norm = read.tensor();
+        layer.pre_ff_norm = read.tensor();
+        layer.post_ff_norm = read.tensor();
+      }
+      TORCH_CHECK(sliding.empty() || layers_.size() < sliding.size(), "DecoderStack: a sliding flag per layer");
+      layer.sliding = !sliding.empty() && sliding[layers_.size()] != 0;
       layer.qkv = read.linear();
       layer.o = read.linear();
       layer.gate_up = read.linear();
@@ -118,9 +143,14 @@ class DecoderStack : public torch::CustomClassHolder {
                      const at::Tensor& slots,         // [T] int64
                      const at::Tensor& block_tables,  // [batch, max_blocks] int64
                      const at::Tensor& start_pos,     // [batch] int64: tokens cached before
-                     const at::Tensor& query_lens) {  // [batch] int64: new tokens, summing to T
+                     const at::Tensor& query_lens,    // [batch] int64: new tokens, summing to T
+                     const at::Tensor& local_cos,     // the local layers' (Gemma; else cos)
+                     const at::Tensor& local_sin,
+                     const at::Tensor& local_tables) {  // from each request's window's first block
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "DecoderStack: one K and one V cache per layer");
+    if (gemma_) return gemma_forward(embedded, cos, sin, k_caches, v_caches, slots, block_tables, start_pos,
+                                     query_lens, local_cos, local_sin, local_tables);
     const at::ScalarType dtype = embedded.scalar_type();
     const int64_t tokens = embedded.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     at::Tensor x = embedded, residual, h;
@@ -148,11 +178,51 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
+  // DecoderModel.run_layers of Gemma 3 (decoder.py's DecoderLayer with sandwich norms).
+  at::Tensor gemma_forward(const at::Tensor& embedded, const at::Tensor& cos, const at::Tensor& sin,
+                           const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                           const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& start_pos,
+                           const at::Tensor& query_lens, const at::Tensor& local_cos,
+                           const at::Tensor& local_sin, const at::Tensor& local_tables) {
+    const at::ScalarType dtype = embedded.scalar_type();
+    const int64_t tokens = embedded.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const auto norm = [&](const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& w,
+                          at::ScalarType out) { return gemma::offset_rmsnorm(x, residual, w, eps_, dtype, out, "auto"); };
+    at::Tensor x = embedded, residual, h;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      std::tie(h, residual) = norm(x, i == 0 ? std::nullopt : std::optional<at::Tensor>(residual), layer.input_norm,
+                                   at::kFloat);
+      const at::Tensor qkv = layer.qkv(h).to(dtype);  // [T, q + 2 kv]
+      // each head a row (a view where the rows are evenly spaced, else a copy)
+      const at::Tensor q_rows = qkv.narrow(1, 0, q_size).reshape({tokens * heads_, head_dim_});
+      const at::Tensor k_rows = qkv.narrow(1, q_size, kv_size).reshape({tokens * kv_heads_, head_dim_});
+      const at::Tensor qn = std::get<0>(norm(q_rows, std::nullopt, layer.q_norm, dtype));
+      const at::Tensor kn = std::get<0>(norm(k_rows, std::nullopt, layer.k_norm, dtype));
+      const at::Tensor qk = at::cat({qn.view({tokens, heads_, head_dim_}), kn.view({tokens, kv_heads_, head_dim_})}, 1);
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
+      at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
+      const bool local = layer.sliding;
+      const at::Tensor q = fused::rope_write_kv(qk, v, local ? local_cos : cos, local ? local_sin : sin, k_cache,
+                                                v_cache, slots, heads_);
+      const at::Tensor attended = paged_attention(q, k_cache, v_cache, local ? local_tables : block_tables, start_pos,
+                                                  query_lens, scale_, "auto", 256, local ? window_ : 0);
+      x = layer.o(attended.view({tokens, q_size}).to(at::kFloat).contiguous());
+      x = std::get<0>(norm(x, std::nullopt, layer.post_norm, dtype));
+      std::tie(h, residual) = norm(x, residual, layer.pre_ff_norm, at::kFloat);
+      x = layer.down(gemma::gelu_tanh_mul(layer.gate_up(h), dtype, at::kFloat, "auto"));
+      x = std::get<0>(norm(x, std::nullopt, layer.post_ff_norm, dtype));
+    }
+    return std::get<0>(norm(x, residual, final_norm_, dtype));
+  }
+
   std::vector<Layer> layers_;
   at::Tensor final_norm_;
   double eps_;
   int64_t heads_, kv_heads_, head_dim_;
   double scale_;
+  bool gemma_;
+  int64_t window_;
 };
 
 }  // namespace
@@ -161,7 +231,7 @@ class DecoderStack : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {
   m.class_<specserve::DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, int64_t, int64_t,
-                       int64_t, double>())
+                       int64_t, double, bool, std::vector<int64_t>, int64_t>())
       .def("num_layers", &specserve::DecoderStack::num_layers)
       .def("forward", &specserve::DecoderStack::forward);
 }

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -33,5 +34,13 @@ at::Tensor rope_write_kv(const at::Tensor& qk, const at::Tensor& v, const at::Te
                          const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                          const at::Tensor& slots, int64_t heads);
 }  // namespace fused
+
+namespace gemma {  // gemma.cpp
+std::tuple<at::Tensor, at::Tensor> offset_rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                  const at::Tensor& weight, double eps, at::ScalarType dtype,
+                                                  at::ScalarType out_dtype, const std::string& isa);
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up, at::ScalarType dtype, at::ScalarType out_dtype,
+                         const std::string& isa);
+}  // namespace gemma
 
 }  // namespace specserve

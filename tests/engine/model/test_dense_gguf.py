@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_utils import greedy, make_engine, outputs
 from family_utils import (
+    MAX_TOKENS,
     assert_greedy_equals_transformers,
+    batched_prompts,
     hf_logits,
     max_diff,
     prompt_ids,
@@ -22,9 +25,10 @@ from family_utils import (
 )
 from gguf import GGMLQuantizationType as T
 from gguf_families import family_reference, write_family_gguf
-from tiny import make_tiny_model
-from transformers import AutoConfig
+from tiny import CHAT_TEMPLATE, make_tiny_model
+from transformers import AutoConfig, AutoTokenizer
 
+from engine.config import SpeculativeConfig
 from engine.kernels import gguf_ops
 from engine.model.loader import load_model
 from engine.model.quant import native
@@ -94,8 +98,10 @@ def _dense(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_config_is_read_as_llama_cpp_reads_it(src: Path) -> None:
     """The config from the file's metadata (and Phi-3's factor tensors) is the source model's."""
-    got = load_model(str(_gguf(src, T.F32)), "gguf").hf_config
-    want = AutoConfig.from_pretrained(str(src))
+    loaded = load_model(str(_gguf(src, T.F32)), "gguf")
+    assert loaded.tokenizer.chat_template == CHAT_TEMPLATE  # the file's own
+    assert loaded.tokenizer.get_vocab() == AutoTokenizer.from_pretrained(str(src)).get_vocab()
+    got, want = loaded.hf_config, AutoConfig.from_pretrained(str(src))
     assert got.architectures == want.architectures
     fields = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps"]  # fmt: skip
@@ -160,3 +166,15 @@ def test_greedy_equals_transformers(
     _dense(monkeypatch)
     path, ref = _gguf(src, T.Q8_0), _reference(src, T.Q8_0)
     assert_greedy_equals_transformers(kind, path, draft_dir, reference=ref, quantization="gguf")
+
+
+@needs_kernels
+def test_native_speculative_greedy_equals_plain(src: Path) -> None:
+    """On the native kernels (int8 activations, not exact against transformers) a row's logits
+    do not depend on the batch or the rows beside it: n-gram speculation gives plain's text."""
+    path = _gguf(src, T.Q8_0)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
+    plain = make_engine(path, quantization="gguf", max_num_batched_tokens=9)
+    ngram = make_engine(path, quantization="gguf", max_num_batched_tokens=9, speculative=spec)
+    want = outputs(plain, batched_prompts(), greedy(MAX_TOKENS))
+    assert outputs(ngram, batched_prompts(), greedy(MAX_TOKENS)) == want

@@ -6,7 +6,7 @@
 One engine (configs/ngram.yaml's target, fixed k, no planner) decodes every prompt greedily in
 three modes, in an order that reverses every round: `plain` (no drafts), `chain` (the latest
 match's continuation, k drafts) and `tree` (up to `--tree-width` matches merged into a tree of at
-most k nodes, engine/spec_decode/tree.py). Each prompt is put in the prefix cache first. Reports
+most k nodes, engine/spec_decode/proposers/tree.py). Each prompt is put in the prefix cache first. Reports
 each mode's output tokens per second (median over rounds), the ratios, the mean accepted length
 per verify pass, and whether every mode's text equals plain's (greedy: it must, up to rounding
 near ties, since a tree's verify rows take the gathered attention path, not the native kernel).

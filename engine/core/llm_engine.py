@@ -372,6 +372,7 @@ class LLMEngine:
             log.info("draft trees off: %s verifies chains only", self.config.model)
             spec = dataclasses.replace(spec, tree_width=1)
         self._ngram = NgramProposer(spec) if "ngram" in spec.proposers else None
+        self._tree_width = spec.tree_width
         self._eagle3: Eagle3Proposer | None = None
         if spec.method == "ngram":
             return self._ngram  # type: ignore[return-value]
@@ -413,7 +414,7 @@ class LLMEngine:
             self.target.dtype,
         )
         self.target.keep_aux_hidden(head.config.aux_layers(model.shape.num_layers))
-        self._eagle3 = Eagle3Proposer(head, self.target)
+        self._eagle3 = Eagle3Proposer(head, self.target, self._tree_width)
         return self._eagle3
 
     def _mtp_proposer(self) -> Eagle3Proposer:

@@ -49,9 +49,9 @@ class RequestSpan:
     start_pos: int  # tokens already in the KV cache
     num_tokens: int  # new tokens in this pass
     block_table: Sequence[int]
-    # A draft tree's verify (engine/spec_decode/tree.py): [num_tokens, num_tokens] bool, which of
-    # this pass's tokens each query sees (its ancestors and itself); the cached context is seen
-    # whole. None: causal.
+    # A draft tree's verify (engine/spec_decode/proposers/tree.py): [num_tokens, num_tokens]
+    # bool, which of this pass's tokens each query sees (its ancestors and itself); the cached
+    # context is seen whole. None: causal.
     tree_mask: torch.Tensor | None = None
 
     @property

@@ -47,10 +47,10 @@ class ForwardInput:
     # last) they attend, and take the GEMM path, as a query of their own: each row then runs on
     # the kernels it runs on in plain decoding, so speculation changes no output.
     num_drafts: int = 0
-    # The drafts form a tree (engine/spec_decode/tree.py): each draft's parent among them, -1 for
-    # the token before the drafts. Draft i is rotated at its depth's position but its K/V goes
-    # to the slot of position start_pos + known + i, and it attends to its ancestors only.
-    # None: a chain.
+    # The drafts form a tree (engine/spec_decode/proposers/tree.py): each draft's parent among
+    # them, -1 for the token before the drafts. Draft i is rotated at its depth's position but
+    # its K/V goes to the slot of position start_pos + known + i, and it attends to its
+    # ancestors only. None: a chain.
     draft_parents: tuple[int, ...] | None = None
     # A hybrid model's request: its slot in the runner's StatePool (engine.model.state_pool),
     # which the scheduler hands out; None: a scratch slot (the start-up timing forwards).

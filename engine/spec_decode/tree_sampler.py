@@ -1,4 +1,4 @@
-"""Stateless verification of a draft tree (engine/spec_decode/tree.py): the longest path the
+"""Stateless verification of a draft tree (engine/spec_decode/proposers/tree.py): the longest path the
 target keeps, then one recovered or bonus token.
 
 Row 0 of a request's verify rows is the target at its last known token (the root), row 1 + i at
@@ -37,7 +37,7 @@ from engine.sample.sampler import exponential, processed_probs
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.seeded import gumbel_max, race
 from engine.sample.structured import ConstraintState
-from engine.spec_decode.tree import ROOT, DraftTree
+from engine.spec_decode.proposers.tree import ROOT, DraftTree
 
 
 @dataclass(frozen=True)

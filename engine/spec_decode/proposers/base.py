@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from engine.sequence import ScheduledSeq
-from engine.spec_decode.tree import DraftTree
+from engine.spec_decode.proposers.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class Proposal:
     # The draft model's K/V frontier after this step (positions it has computed, rejected drafts
     # included); None when the draft model did not run for this request. The scheduler applies it.
     num_draft_computed: int | None = None
-    # A tree (engine/spec_decode/tree.py): each draft's parent index, -1 for a child of the
+    # A tree (engine/spec_decode/proposers/tree.py): each draft's parent index, -1 for a child of the
     # request's last token; None: a chain. Its probs row i is the q node i was drawn from.
     parents: tuple[int, ...] | None = None
 

@@ -37,6 +37,7 @@ from engine.sample import structured
 from engine.sample.sampler import processed_probs, sample
 from engine.sequence import ScheduledSeq, Sequence
 from engine.spec_decode.proposers.base import Proposal
+from engine.spec_decode.proposers.eagle3_tree import draft_trees
 
 
 class FeatureHead(Protocol):
@@ -69,9 +70,10 @@ class _HeadState:
 class Eagle3Proposer:
     name = "eagle3"
 
-    def __init__(self, head: FeatureHead, target: ModelRunner) -> None:
+    def __init__(self, head: FeatureHead, target: ModelRunner, tree_width: int = 1) -> None:
         self.head = head
         self.target = target  # keeps the aux hidden states the head reads
+        self.tree_width = tree_width  # > 1: EAGLE-2 dynamic trees (eagle3_tree.py)
         self._states: weakref.WeakKeyDictionary[Sequence, _HeadState] = (
             weakref.WeakKeyDictionary()
         )  # one per live request
@@ -92,6 +94,8 @@ class Eagle3Proposer:
             if step == 0:
                 seqs = [batch[i].seq for i in rows]
                 logits, hidden = self._catch_up(seqs, [states[i] for i in rows])
+                if self.tree_width > 1:
+                    return self._trees(batch, rows, [states[i] for i in rows], logits, hidden)
             else:  # the head's own output and each row's last draft, one position further
                 spans = [
                     HeadSpan(states[i].cache, batch[i].seq.num_computed_tokens + step - 1, 1)
@@ -108,6 +112,33 @@ class Eagle3Proposer:
             ]
             rows, hidden = [rows[r] for r in keep], hidden[keep]
         return [self._proposal(item, drafts.get(i), probs.get(i)) for i, item in enumerate(batch)]
+
+    def _trees(
+        self,
+        batch: list[ScheduledSeq],
+        rows: list[int],  # the drafting requests
+        states: list[_HeadState],
+        logits: torch.Tensor,  # [len(rows), vocab] their catch-ups' last rows
+        hidden: torch.Tensor,  # [len(rows), hidden]
+    ) -> list[Proposal]:
+        items = [batch[i] for i in rows]
+        caches = [state.cache for state in states]
+        budgets = [item.k_for(self.name) for item in items]
+        trees = draft_trees(
+            lambda h, ids, spans: self._run(h, self._ids(ids), spans),
+            self.head.new_cache,
+            items,
+            budgets,
+            caches,
+            logits,
+            hidden,
+            self.tree_width,
+        )
+        proposals = [Proposal.empty() for _ in batch]
+        for i, tree in zip(rows, trees, strict=True):
+            parents = None if tree.is_chain else tree.parents  # a chain verifies batched
+            proposals[i] = Proposal(list(tree.token_ids), None, self.name, parents=parents)
+        return proposals
 
     def _drafts(self, item: ScheduledSeq) -> bool:
         """Whether the request drafts this step: the head needs the target's features of every

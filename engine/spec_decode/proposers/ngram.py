@@ -8,7 +8,7 @@ from engine.config import SpeculativeConfig
 from engine.sample import structured
 from engine.sequence import ScheduledSeq, Sequence
 from engine.spec_decode.proposers.base import Proposal
-from engine.spec_decode.tree import tree_from_paths
+from engine.spec_decode.proposers.tree import tree_from_paths
 
 # Nodes a further match adds past where it leaves the likeliest one's path: the tokens right
 # after a divergence are the ones a second match gets right, if any.

@@ -23,7 +23,7 @@ from engine.outputs import SpecStats
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import Constraints, grammar_from
 from engine.spec_decode.proposers import Proposal
-from engine.spec_decode.tree import ROOT, DraftTree, tree_from_paths
+from engine.spec_decode.proposers.tree import ROOT, DraftTree, tree_from_paths
 from engine.spec_decode.tree_sampler import verify_tree
 
 MAX_TOKENS = 16

@@ -27,6 +27,8 @@ _GEMMA3_27B_LAYERS = 62  # the one size whose attention scale is not head_dim's
 def gguf_config(path: Path) -> PretrainedConfig:
     """transformers' config of the GGUF at `path`, with what it leaves out read from the file."""
     meta = read_gguf_metadata(path)
+    if meta.get("general.architecture") == "gpt-oss":
+        return gpt_oss_config(meta)
     if meta.get("general.architecture") in OWN_CONFIG_ARCHS:
         return own_config(path, meta)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -68,6 +70,50 @@ def _complete_qwen3moe(config: PretrainedConfig, meta: dict[str, object]) -> Non
         raise ValueError("Qwen3-MoE GGUF without qwen3moe.expert_feed_forward_length")
     config.moe_intermediate_size = int(width)  # type: ignore[call-overload]
     config.norm_topk_prob = True
+
+
+def gpt_oss_config(meta: dict[str, object]) -> PretrainedConfig:
+    """gpt-oss's config from llama.cpp's keys (transformers' reader fails on its rope keys). The
+    rest llama.cpp fixes as transformers' config does: every other layer windowed from layer 0,
+    YaRN's betas 32 and 1, the SwiGLU limit 7."""
+    from transformers import GptOssConfig
+
+    def key(name: str, default: object = None) -> int:
+        found = meta.get(f"gpt-oss.{name}")
+        return int(str(default if found is None else found))
+
+    rope = dict(GptOssConfig().rope_parameters or {})
+    rope["rope_theta"] = float(str(meta.get("gpt-oss.rope.freq_base") or rope["rope_theta"]))
+    rope["factor"] = float(str(meta.get("gpt-oss.rope.scaling.factor") or rope["factor"]))
+    original = rope["original_max_position_embeddings"]
+    rope["original_max_position_embeddings"] = key("rope.scaling.original_context_length", original)
+    heads, tokens = key("attention.head_count"), meta.get("tokenizer.ggml.tokens")
+    return GptOssConfig(
+        vocab_size=key("vocab_size", len(tokens) if isinstance(tokens, list) else 0),
+        hidden_size=key("embedding_length"),
+        intermediate_size=key(
+            "expert_feed_forward_length", meta.get("gpt-oss.feed_forward_length")
+        ),
+        num_hidden_layers=key("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=key("attention.head_count_kv", heads),
+        head_dim=key("attention.key_length"),
+        num_local_experts=key("expert_count"),
+        num_experts_per_tok=key("expert_used_count"),
+        sliding_window=key("attention.sliding_window", 128),
+        max_position_embeddings=key("context_length"),
+        rms_norm_eps=float(str(meta.get("gpt-oss.attention.layer_norm_rms_epsilon") or 1e-5)),
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        eos_token_id=_token(meta, "eos"),
+        bos_token_id=_token(meta, "bos"),
+        pad_token_id=_token(meta, "pad"),
+    )
+
+
+def _token(meta: dict[str, object], kind: str) -> int | None:
+    found = meta.get(f"tokenizer.ggml.{'padding' if kind == 'pad' else kind}_token_id")
+    return None if found is None else int(str(found))
 
 
 def _layer_types(pattern: object, layers: int) -> list[str]:

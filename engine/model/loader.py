@@ -241,7 +241,9 @@ def _convert_gguf(path: Path, out: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = _checked_gguf_config(path)
-    if config.model_type in OWN_CONFIG_ARCHS.values():  # transformers cannot read these files
+    # transformers cannot read these files (gpt-oss: its reader expects other expert names than
+    # llama.cpp's converter writes)
+    if config.model_type in (*OWN_CONFIG_ARCHS.values(), "gpt_oss"):
         tensors = _own_dequantized(path, config)
     else:
         with torch.device("meta"):
@@ -270,7 +272,7 @@ def _own_dequantized(path: Path, config: PretrainedConfig) -> dict[str, torch.Te
 def _gguf_tokenizer(path: Path, config: PretrainedConfig) -> PreTrainedTokenizerBase:
     """transformers' tokenizer of the file; for an architecture its GGUF reader refuses, the
     one built from the file's vocabulary alone (engine.model.gguf_dense)."""
-    if config.model_type in OWN_CONFIG_ARCHS.values():
+    if config.model_type in (*OWN_CONFIG_ARCHS.values(), "gpt_oss"):
         return gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 

@@ -165,8 +165,9 @@ def split_gpt_oss_experts(
     bias [E, H]; the router `mlp.router` named as the MoE's `mlp.gate`."""
     for name, value in weights:
         prefix, _, part = name.rpartition("mlp.experts.")
-        if not prefix:
-            yield name.replace(".mlp.router.", ".mlp.gate."), value
+        if part not in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            name = name.replace(".mlp.router.", ".mlp.gate.")  # or already an expert's
+            yield name.replace(".self_attn.sinks.weight", ".self_attn.sinks"), value  # GGUF's
             continue
         for e, matrix in enumerate(value):
             expert = f"{prefix}mlp.experts.{e}"

@@ -1,0 +1,221 @@
+"""gpt-oss from a GGUF file: a tiny random gpt-oss written as llama.cpp's converter writes it (gate
+and up de-interleaved into stacked `ffn_{gate,up}_exps`, `ffn_down_exps`, their biases stacked in
+F32, the router `ffn_gate_inp` with its bias, `attn_sinks`, YaRN's factor and original context in
+the rope keys), experts in F32 or MXFP4 as gpt-oss ships them, the rest F32; loaded with
+`quantization` none (dequantized by gguf's own reference) and gguf, against transformers' gpt-oss
+holding the dequantized weights. MXFP4 has no native kernel: with `gguf` such experts are
+dequantized and rounded to int8 rows (checked within that rounding)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
+from gguf import GGMLQuantizationType as T
+from safetensors.torch import load_file, save_file
+from tiny import _gguf_hparams, _gguf_tokenizer, make_tiny_model
+
+from engine.config import SpeculativeConfig
+from engine.model.loader import load_model
+from engine.model.runner import ForwardInput, ModelRunner
+
+ROPE = {
+    "rope_type": "yarn",
+    "factor": 8.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 150000.0,
+}
+GPT_OSS = dict(
+    family="gpt_oss",
+    num_layers=2,
+    hidden_size=64,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    intermediate_size=64,  # MXFP4 blocks of 32 along both of the experts' input widths
+    sliding_window=8,
+    rope_parameters=ROPE,
+)
+ATOL = 1e-4
+MAX_TOKENS = 12
+
+
+def _values(array: np.ndarray, kind: T) -> tuple[np.ndarray, np.ndarray, T | None]:
+    """(the file's data, what gguf's reader gives back, the raw type) of a matrix in `kind`."""
+    if kind == T.F32:
+        return array, array, None
+    data = gguf.quants.quantize(array, kind)
+    return data, np.asarray(gguf.quants.dequantize(data, kind), dtype=np.float32), kind
+
+
+def write_gpt_oss_gguf(path: Path, src: Path, kind: T) -> Path:
+    """`src` as the converter writes it (experts in `kind`), and beside it (`<stem>-ref`) the
+    model as safetensors holding the dequantized values in transformers' layout."""
+    config = json.loads((src / "config.json").read_text())
+    layers, experts = config["num_hidden_layers"], config["num_local_experts"]
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    _gguf_hparams(writer, config)
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(ROPE["factor"])
+    writer.add_rope_scaling_orig_ctx_len(ROPE["original_max_position_embeddings"])
+    _gguf_tokenizer(writer, src)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, layers)
+    tensors, ref = load_file(str(src / "model.safetensors")), {}
+    for name, tensor in sorted(tensors.items()):
+        array = tensor.float().numpy()
+        if ".experts." in name:
+            continue
+        base, suffix = name.rsplit(".", 1)
+        if name.endswith("self_attn.sinks"):
+            base, suffix = name, "weight"
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", array)
+        ref[name] = array
+    for i in range(layers):
+        e = f"model.layers.{i}.mlp.experts"
+        gate_up, gate_up_bias = (
+            tensors[f"{e}.gate_up_proj"].numpy(),
+            tensors[f"{e}.gate_up_proj_bias"].numpy(),
+        )
+        stacked = {  # [E, rows, cols] as the converter writes them, biases [E, rows]
+            "gate_proj": (gate_up[:, :, 0::2].transpose(0, 2, 1), gate_up_bias[:, 0::2]),
+            "up_proj": (gate_up[:, :, 1::2].transpose(0, 2, 1), gate_up_bias[:, 1::2]),
+            "down_proj": (
+                tensors[f"{e}.down_proj"].numpy().transpose(0, 2, 1),
+                tensors[f"{e}.down_proj_bias"].numpy(),
+            ),
+        }
+        values = {}
+        for part, (matrix, bias) in stacked.items():
+            data, values[part], raw = _values(np.ascontiguousarray(matrix), kind)
+            target = names.get_name(f"{e}.{part}")
+            writer.add_tensor(f"{target}.weight", data, raw_dtype=raw)
+            writer.add_tensor(f"{target}.bias", np.ascontiguousarray(bias))
+        interleaved = np.empty_like(gate_up)  # back to transformers' [E, H, 2I], interleaved
+        interleaved[:, :, 0::2] = values["gate_proj"].transpose(0, 2, 1)
+        interleaved[:, :, 1::2] = values["up_proj"].transpose(0, 2, 1)
+        ref[f"{e}.gate_up_proj"] = interleaved
+        ref[f"{e}.down_proj"] = values["down_proj"].transpose(0, 2, 1)
+        ref[f"{e}.gate_up_proj_bias"] = gate_up_bias
+        ref[f"{e}.down_proj_bias"] = tensors[f"{e}.down_proj_bias"].numpy()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out = path.with_name(f"{path.stem}-ref")
+    out.mkdir(exist_ok=True)
+    for file in src.iterdir():
+        if file.suffix != ".safetensors":
+            (out / file.name).write_bytes(file.read_bytes())
+    save_file(
+        {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in ref.items()},
+        str(out / "model.safetensors"),
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> object:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("gpt-oss-src"), seed=5, **GPT_OSS)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module", params=[T.F32, T.MXFP4], ids=["F32", "MXFP4"])
+def gguf_file(request: pytest.FixtureRequest, src: Path, cache: object) -> Path:
+    path = src.parent / f"gpt-oss-{request.param.name}.gguf"
+    return path if path.exists() else write_gpt_oss_gguf(path, src, request.param)
+
+
+def _ref(path: Path, bf16: bool = False) -> Path:
+    """The dequantized reference; with `bf16` rounded as `none`'s conversion stores it."""
+    ref = path.with_name(f"{path.stem}-ref")
+    if not bf16:
+        return ref
+    out = ref.with_name(f"{ref.name}-bf16")
+    if not out.exists():
+        out.mkdir()
+        for file in ref.iterdir():
+            if file.suffix != ".safetensors":
+                (out / file.name).write_bytes(file.read_bytes())
+        tensors = load_file(str(ref / "model.safetensors"))
+        save_file(
+            {n: t.bfloat16().float() for n, t in tensors.items()}, str(out / "model.safetensors")
+        )
+    return out
+
+
+def _logits(path: Path, quantization: str, ids: list[int]) -> torch.Tensor:
+    """A prompt chunk past the window, then a 3-token verify query and a decode."""
+    runner = ModelRunner(load_model(str(path), quantization), "cpu", "float32", 4)  # type: ignore[arg-type]
+    runner.allocate_kv_cache(32)
+    table = list(range(31, -1, -1))
+    cuts = [0, len(ids) - 4, len(ids) - 1, len(ids)]
+    outs = [
+        runner.forward([ForwardInput(ids[a:b], a, table, b - a)])
+        for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def _want(ref: Path, ids: list[int]) -> torch.Tensor:
+    return hf_model(ref)(torch.tensor([ids])).logits[0].float()
+
+
+def test_config_is_read_as_llama_cpp_reads_it(gguf_file: Path, src: Path) -> None:
+    config = load_model(str(gguf_file), "none").hf_config
+    want = json.loads((src / "config.json").read_text())
+    for key in ("intermediate_size", "num_local_experts", "num_experts_per_tok", "sliding_window"):
+        assert getattr(config, key) == want[key], key
+    assert list(config.layer_types) == want["layer_types"]
+    for key in ("rope_type", "factor", "original_max_position_embeddings", "rope_theta"):
+        assert config.rope_parameters[key] == ROPE[key], key
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_logits_match_transformers_on_the_dequantized_weights(
+    quantization: str, gguf_file: Path
+) -> None:
+    ids = random_prompts(1, (30, 30), 300, seed=1)[0]
+    ours = _logits(gguf_file, quantization, ids)
+    want = _want(_ref(gguf_file, bf16=quantization == "none"), ids)
+    int8_rows = quantization == "gguf" and gguf_file.name.endswith("MXFP4.gguf")
+    diff = (ours - want).abs().max().item()
+    if int8_rows:  # MXFP4 values rounded again to int8 per row: close, not exact
+        assert diff < 0.05 * want.abs().max().item(), diff
+    else:
+        assert diff < ATOL, diff
+
+
+def _prompts() -> list[list[int]]:
+    repeats = [p * 3 for p in random_prompts(2, (4, 8), 300, seed=9)]  # n-gram matches
+    return random_prompts(4, (3, 30), 300, seed=7) + repeats
+
+
+def test_greedy_equals_transformers(gguf_file: Path) -> None:
+    """`none` (dequantized, bfloat16 weights): batched, chunks of at most 9, plain and n-gram."""
+    want = [hf_greedy(_ref(gguf_file, bf16=True), p, MAX_TOKENS) for p in _prompts()]
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
+    for spec in (SpeculativeConfig(), ngram):
+        engine = make_engine(
+            gguf_file, quantization="none", max_num_batched_tokens=9, speculative=spec
+        )
+        assert outputs(engine, _prompts(), greedy(MAX_TOKENS)) == want

@@ -187,6 +187,26 @@ def test_greedy_trees_equal_plain(
     assert engine.block_manager.usage == 0.0
 
 
+def test_staggered_arrivals_and_prefix_cache(
+    plain: LLMEngine, tiny_model_dir: Path, vocab: int
+) -> None:
+    """Requests joining a running batch step by step, then the same prompts again from the
+    prefix cache (whose blocks hold K/V an accepted path moved into place)."""
+    engine = _tree_engine(tiny_model_dir, num_kv_blocks=96)
+    spy = _Spy(engine)
+    prompts = _ambiguous_prompts(8, vocab)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy(MAX_TOKENS))
+        engine.step()
+    seqs = [engine.seqs[f"r{i}"] for i in range(len(prompts))]
+    while engine.has_unfinished():
+        engine.step()
+    reference = outputs(plain, prompts, greedy(MAX_TOKENS))
+    assert [s.output_token_ids for s in seqs] == reference
+    assert outputs(engine, prompts, greedy(MAX_TOKENS)) == reference
+    assert spy.trees > 0 and spy.moved > 0
+
+
 def test_seeded_trees_equal_plain(plain: LLMEngine, tiny_model_dir: Path, vocab: int) -> None:
     engine = _tree_engine(tiny_model_dir)
     spy = _Spy(engine)

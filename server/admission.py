@@ -81,13 +81,20 @@ def request_bytes(num_prompt_tokens: int) -> int:
 
 
 class CompletionRate:
-    """Requests finished per second over the last `window_s` seconds."""
+    """Requests finished per second over the last `window_s` seconds of the current busy period
+    (since the server last held no request): an idle minute before a storm is no slow rate."""
 
     def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s
         self.clock = clock
-        self.started = clock()
+        self.busy_since = clock()
         self.events: deque[tuple[float, int]] = deque()  # (time, requests finished)
+        self.total = 0
+
+    def busy_from(self, now: float) -> None:
+        """The server takes a request while holding none: a new busy period starts."""
+        self.busy_since = now
+        self.events.clear()
         self.total = 0
 
     def record(self, finished: int) -> None:
@@ -102,8 +109,7 @@ class CompletionRate:
             self.total -= self.events.popleft()[1]
         if not self.events:
             return None
-        # Young servers measure over their age, not a window mostly spent idle before start.
-        span = max(1.0, min(self.window_s, now - self.started))
+        span = max(1.0, now - max(now - self.window_s, self.busy_since))
         return self.total / span
 
 
@@ -223,6 +229,8 @@ class Admission:
         """Reserve room for a validated request's jobs (request id, prompt tokens), or 429."""
         now = self.clock()
         self.held.expire(now - RESERVATION_TTL_S)
+        if self.held.count == 0:
+            self.rate.busy_from(now)
         sized = [(request_id, request_bytes(n)) for request_id, n in jobs]
         refusal = self.refusal(engine, sum(size for _, size in sized))
         if refusal is not None:

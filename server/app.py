@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.sample import structured
-from server.errors import RETRY_AFTER, APIError, not_ready
+from server.admission import Admission, AdmissionConfig
+from server.errors import APIError, not_ready
 from server.messages.routes import messages_routes
 from server.messages.serving import AnthropicServingMessages
 from server.metrics import CONTENT_TYPE, Metrics
@@ -57,13 +58,19 @@ class Endpoints:
     messages: AnthropicServingMessages
 
     @classmethod
-    def build(cls, engine: AsyncLLM, settings: Settings, metrics: Metrics) -> Endpoints:
-        return cls(
+    def build(
+        cls, engine: AsyncLLM, settings: Settings, metrics: Metrics, admission: Admission
+    ) -> Endpoints:
+        endpoints = cls(
             OpenAIServingCompletion(engine, settings, metrics),
             OpenAIServingChat(engine, settings, metrics),
             OpenAIServingResponses(engine, settings, metrics),
             AnthropicServingMessages(engine, settings, metrics),
         )
+        for serving in (endpoints.completions, endpoints.chat, endpoints.responses):
+            serving.admission = admission  # one queue, whichever API a request came through
+        endpoints.messages.admission = admission
+        return endpoints
 
 
 @dataclass
@@ -72,6 +79,7 @@ class ServerState:
 
     settings: Settings
     metrics: Metrics
+    admission: Admission
     engine: AsyncLLM | None = None
     serving: Endpoints | None = None
     shutting_down: bool = False
@@ -105,7 +113,8 @@ def create_app(
     """The app owns the engine's life: it starts it (after `load()` in a thread if `engine` is None,
     answering 503 meanwhile) and shuts it down."""
     metrics = Metrics(settings.model_name, settings.metrics_compat)
-    state = ServerState(settings, metrics, on_ready=on_ready)
+    admission = Admission(AdmissionConfig.from_settings(settings), metrics)
+    state = ServerState(settings, metrics, admission, on_ready=on_ready)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -151,7 +160,7 @@ async def _attach(state: ServerState, engine: AsyncLLM) -> None:
     state.background.add(warm)
     await engine.start()
     state.engine = engine
-    serving = Endpoints.build(engine, state.settings, state.metrics)
+    serving = Endpoints.build(engine, state.settings, state.metrics, state.admission)
     # Before /health reports ready: the responses an earlier process left unfinished end failed.
     await asyncio.to_thread(serving.responses.fail_interrupted)
     state.serving = serving
@@ -178,10 +187,11 @@ async def _load_and_attach(
 
 def ready_serving(request: Request) -> Endpoints:
     state: ServerState = request.app.state.server
+    advice = state.admission.retry_after_unavailable
     if state.shutting_down:
-        raise not_ready("the server is shutting down")
+        raise not_ready("the server is shutting down", advice())
     if state.serving is None:
-        raise not_ready(state.load_error or "the model is still loading")
+        raise not_ready(state.load_error or "the model is still loading", advice())
     return state.serving
 
 
@@ -203,12 +213,12 @@ def _open_routes(state: ServerState) -> APIRouter:
     @router.get("/health")
     async def health() -> Response:
         """Readiness: 200 only while new requests are taken."""
-        return _status_response(state.status, state.status == "ready")
+        return _status_response(state, state.status == "ready")
 
     @router.get("/live")
     async def live() -> Response:
         """Liveness: 200 while loading, serving or draining."""
-        return _status_response(state.status, state.status in LIVE_STATUSES)
+        return _status_response(state, state.status in LIVE_STATUSES)
 
     @router.get("/version")
     async def version_route() -> dict[str, str]:
@@ -223,9 +233,9 @@ def _open_routes(state: ServerState) -> APIRouter:
     return router
 
 
-def _status_response(status: str, ok: bool) -> Response:
-    headers = {} if ok else {"Retry-After": RETRY_AFTER[503]}
-    return JSONResponse({"status": status}, status_code=200 if ok else 503, headers=headers)
+def _status_response(state: ServerState, ok: bool) -> Response:
+    headers = {} if ok else {"Retry-After": str(state.admission.retry_after_unavailable())}
+    return JSONResponse({"status": state.status}, status_code=200 if ok else 503, headers=headers)
 
 
 def _sse(s: OpenAIServing, stream: Stream, settings: Settings) -> EventSourceResponse:

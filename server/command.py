@@ -150,6 +150,10 @@ def serve(settings: Settings) -> int:
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
+        # A retry storm connects thousands of clients at once; connections beyond the listen
+        # backlog lose their SYN and time out client-side (the openai SDK waits 5 s), so ask for
+        # as much as the kernel allows (it caps this at net.core.somaxconn).
+        backlog=65535,
     )
     server = _graceful_server(config, app.state.server)
     logger.info("listening on %s; /health answers 503 until the model is loaded", url)

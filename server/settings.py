@@ -171,7 +171,24 @@ class Settings(BaseSettings):
     num_threads: int | None = Field(
         default=engine_default("num_threads"), ge=1, description="torch threads on CPU"
     )
-    max_waiting_requests: int = Field(default=256, ge=1, description="429 once this many wait")
+    max_waiting_requests: int | None = Field(
+        default=None,
+        ge=1,
+        description="a fixed cap: 429 once this many wait (default none: the queue is bounded "
+        "by max_waiting_gib and max_queue_wait_s)",
+    )
+    max_waiting_gib: float = Field(
+        default=1.0,
+        gt=0,
+        description="memory the waiting requests may hold, estimated per request (connection, "
+        "state, prompt tokens); 429 beyond",
+    )
+    max_queue_wait_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="429 when the waiting queue would take longer than this to drain at the "
+        "measured completion rate",
+    )
     shutdown_grace_s: float = Field(
         default=30.0, ge=0, description="on SIGTERM, time to finish requests"
     )

@@ -45,7 +45,7 @@ def test_defaults() -> None:
     assert (s.host, s.port, s.max_waiting_requests, s.shutdown_grace_s) == (
         "127.0.0.1",
         8000,
-        256,
+        None,
         30,
     )
     assert s.speculative_method == "none" and s.api_key is None and s.model_name == "m"

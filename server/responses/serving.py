@@ -99,8 +99,9 @@ class OpenAIServingResponses(OpenAIServingChat):
         self._store: ResponseStore | None = None
         self.running: dict[str, Running] = {}
         self.tasks: set[asyncio.Task[None]] = set()
-        # Set once the server cuts what still runs (its grace period is over): a response that
-        # ends unfinished from then on failed, it was not cancelled.
+        # Set once the server cuts what still runs (its grace period is over): a running
+        # response ends at its next output, and one that ends unfinished from then on failed
+        # (it was not cancelled); a stream's last event says so.
         self.stopping = False
 
     @property
@@ -276,6 +277,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         builder, c = progress.builder, progress.choice
         async with aclosing(self.run(p.jobs)) as outputs:
             async for _, out in outputs:
+                if self.stopping:  # cut: it ends now, stored (and streamed last) as failed
+                    return
                 # Here every earlier event has been taken (sent, for a stream), so a checkpoint
                 # never holds text a client did not get.
                 self._checkpoint(p, progress)

@@ -321,22 +321,25 @@ def stop_mid_stream(server: Server) -> tuple[dict[str, Any], list[Reader]]:
     for reader in readers:
         reader.join(timeout=30)
         assert not reader.is_alive()
-    finished = {str(r.id): r.final for r in readers if r.final is not None}
-    cut = [reader for reader in readers if reader.final is None]
+    cut = [r for r in readers if r.final is None or r.final["status"] == "failed"]
     assert cut, "the short grace cut the long streams"
+    finished = {str(r.id): r.final for r in readers if r.final is not None and r not in cut}
     return completed | finished, [*cut, background]
 
 
 def check_left_by_stop(left: dict[str, Any], completed: dict[str, Any], cut: list[Reader]) -> None:
-    """The stop itself marked what it cut, with all the text it had sent and more: nothing is
-    left for the next start-up to mend."""
+    """The stop itself marked what it cut, with all the text it had sent, and told each stream
+    so in a last `response.failed` event: nothing is left for the next start-up to mend."""
     assert all(left[rid] == response for rid, response in completed.items())
     assert not [r for r in left.values() if r["status"] in ("queued", "in_progress")]
+    *streams, background = cut
     for reader in cut:
         response = left[str(reader.id)]
         assert_cut(response)
         assert text_of(response).startswith(reader.text)
         assert text_of(response), "the output so far"
+    for reader in streams:
+        assert reader.final == left[str(reader.id)], "the stream ends with response.failed"
 
 
 def start_background(http: httpx.Client, url: str) -> Reader:

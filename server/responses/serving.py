@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -294,11 +295,18 @@ class OpenAIServingResponses(OpenAIServingChat):
     def fail_interrupted(self) -> int:
         """At start-up, before the server reports ready: every response an earlier process left
         queued or in progress becomes failed (its output so far kept). A store file that does
-        not exist yet is not created; the memory store starts empty."""
+        not exist yet is not created; the memory store starts empty. A file SQLite cannot read
+        is logged, not fatal: chat, completions and Messages still serve."""
         path = self.settings.response_store_file
         if path == ":memory:" or not Path(path).exists():
             return 0
-        ids = self.store.rewrite_unfinished(as_interrupted)
+        try:
+            ids = self.store.rewrite_unfinished(as_interrupted)
+        except sqlite3.DatabaseError as exc:
+            logger.error(
+                "the response store %s cannot be read (%s); /v1/responses fails", path, exc
+            )
+            return 0
         if ids:
             logger.warning(
                 "%d stored responses were cut by an earlier stop of the server; now failed: %s",

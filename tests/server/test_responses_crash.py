@@ -228,6 +228,25 @@ def test_a_running_response_shows_its_output_and_cannot_be_continued(
         assert continued.status_code == 200, continued.text
 
 
+def test_an_unreadable_store_fails_only_the_responses_api(model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    store = tmp_path / "r.sqlite3"
+    store.write_bytes(b"not a database" * 100)
+    engine = FakeEngine(AutoTokenizer.from_pretrained(str(model_dir)), step_s=0.0)
+    settings = Settings(
+        model=str(model_dir), served_model_name="tiny", response_store_path=str(store)
+    )
+    app = create_app(engine, settings)  # type: ignore[arg-type]
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as http:
+        assert http.get("/health").status_code == 200
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        r = http.post("/v1/responses", json=ask("hi", 2))
+        assert_error_shape(r.json(), 500)
+    assert store.read_bytes() == b"not a database" * 100, "left as it was, for its owner"
+
+
 # ---------------------------------------------------------------------------- the test
 
 

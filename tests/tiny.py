@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     Glm4Config,
     GptOssConfig,
     GraniteConfig,
@@ -83,6 +84,7 @@ _FAMILIES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
     "mistral": MistralConfig,
     "gemma3": Gemma3TextConfig,
+    "gemma4": Gemma4TextConfig,
     "phi3": Phi3Config,
     "granite": GraniteConfig,
     "smollm3": SmolLM3Config,

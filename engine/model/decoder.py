@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 from engine.kernels import fused_ops, gemma_ops
 from engine.model.attention import AttentionMetadata, attend, paged_attention
 from engine.model.moe import ClampedSwiGLUExpert, MoE
-from engine.model.norms import FlatNorm, NoNorm, RMSNorm
+from engine.model.norms import FlatNorm, NoNorm, RMSNorm, UnitNorm
 from engine.model.quant.formats import QuantizedWeight
 from engine.model.rope import Rope, Rotary, apply_rope, rope_layer_types
 from engine.model.shape import DecoderShape
@@ -94,6 +94,7 @@ class Attention(nn.Module):
         norms = _qk_norms(shape) if shape.qk_norm else (None, None)
         self.q_norm: RMSNorm | None = norms[0]
         self.k_norm: RMSNorm | None = norms[1]
+        self.v_norm = UnitNorm(shape.rms_norm_eps) if shape.v_norm else None  # Gemma 4's
         self.scale = shape.attention_scale
         # gpt-oss's: per head, the logit of a key every query sees whose value is zero
         self.sinks = nn.Parameter(torch.empty(shape.num_heads)) if shape.attention_sinks else None
@@ -114,6 +115,8 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x).split([s.q_size + s.kv_size, s.kv_size], dim=-1)
         qk = qk.view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
@@ -163,7 +166,7 @@ class DecoderLayer(nn.Module):
         self.sliding = shape.is_sliding(index)
         self.residual_multiplier = shape.residual_multiplier
         self.input_layernorm: RMSNorm | NoNorm = pre_norm()
-        self.self_attn = Attention(shape, self.sliding, shape.rotates(index))
+        self.self_attn = Attention(shape.attention_shape(index), self.sliding, shape.rotates(index))
         # Llama's: the MLP's norm; with sandwich norms (Gemma's), the attention output's
         self.post_attention_layernorm = norm()
         self.mlp: MLP | MoE = _moe(shape) if shape.is_moe(index) else MLP(shape)
@@ -171,6 +174,8 @@ class DecoderLayer(nn.Module):
             pre_norm() if shape.sandwich_norms else None
         )
         self.post_feedforward_layernorm = norm() if shape.sandwich_norms else None
+        # Gemma 4's: the stream after the layer times a learned scalar
+        self.layer_scalar = nn.Parameter(torch.empty(1)) if shape.layer_scalar else None
 
     def forward(
         self,
@@ -179,7 +184,7 @@ class DecoderLayer(nn.Module):
         rope: Rope,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # the MLP's output, the stream before it
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # the MLP's output, the stream before it
         """The residual add is left to the next norm (`RMSNorm.add_forward`), which fuses it; so
         is rounding a GEMM's float32 output to the model dtype."""
         attn, mlp = self.self_attn, self.mlp
@@ -189,7 +194,7 @@ class DecoderLayer(nn.Module):
         )
         x = self._scaled(attn(h, rope, kv_cache, meta), dtype)
         if self.pre_feedforward_layernorm is not None:
-            return self._sandwich_mlp(x, residual, dtype)
+            return self._scaled_stream(*self._sandwich_mlp(x, residual, dtype))
         h, residual = self.post_attention_layernorm.add_forward(
             x, residual, gemm_input_dtype(mlp.gate_up_proj, dtype)
         )
@@ -205,6 +210,18 @@ class DecoderLayer(nn.Module):
         if self.residual_multiplier == 1.0:
             return x
         return x.to(dtype) * self.residual_multiplier
+
+    def _scaled_stream(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the MLP's output (normed)
+        residual: torch.Tensor,  # [num_tokens, hidden]: the stream before it
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gemma 4's layer scalar: the residual add done here, its sum scaled (None: no stream
+        left for the next norm to add); other families' pass through."""
+        if self.layer_scalar is None:
+            return x, residual
+        total = x.to(residual.dtype) + residual
+        return total * self.layer_scalar.to(total.dtype), None
 
     def _sandwich_mlp(
         self,
@@ -311,7 +328,8 @@ class DecoderModel(nn.Module):
         if not types:
             self.rotary = Rotary(config, head_dim, device)
             return
-        self.rotary = Rotary(config, head_dim, device, "full_attention")
+        global_head_dim = self.shape.global_head_dim or head_dim  # Gemma 4's own
+        self.rotary = Rotary(config, global_head_dim, device, "full_attention")
         if "sliding_attention" in types:
             self.local_rotary = Rotary(config, head_dim, device, "sliding_attention")
 
@@ -379,7 +397,9 @@ class DecoderModel(nn.Module):
 
     def _unscaled(self, logits: torch.Tensor) -> torch.Tensor:  # [N, scored] -> float32
         """Granite's logits_scaling, divided in the head's dtype before float32 as transformers."""
-        scaling = self.shape.logits_scaling
+        scaling, cap = self.shape.logits_scaling, self.shape.final_logit_softcapping
+        if cap is not None:  # Gemma 4's, in the head's dtype as transformers
+            logits = torch.tanh(logits / cap) * cap
         return (logits if scaling == 1.0 else logits / scaling).float()
 
     def _spread(self, logits: torch.Tensor) -> torch.Tensor:  # [N, scored] -> [N, V], -inf filled
@@ -390,8 +410,8 @@ class DecoderModel(nn.Module):
 
     def shard_sizes(self, module_name: str) -> list[int]:
         """Output rows of each shard of a linear layer (q/k/v and gate/up are fused)."""
-        s = self.shape
-        if module_name.endswith("qkv_proj"):
+        if module_name.endswith("qkv_proj"):  # its layer's sizes (Gemma 4's differ by kind)
+            s = cast(Attention, self.get_submodule(module_name.rpartition(".")[0])).shape
             return [s.q_size, s.kv_size, s.kv_size]
         if module_name.endswith("gate_up_proj"):  # an expert's is narrower than the dense MLP's
             return [cast(int, self.get_submodule(module_name).out_features) // 2] * 2

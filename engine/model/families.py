@@ -21,7 +21,13 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.model.decoder import DecoderModel, WeightValue
-from engine.model.family_switches import glm4_shape, glm4_weights, olmo2_shape
+from engine.model.family_switches import (
+    gemma4_shape,
+    gemma4_weights,
+    glm4_shape,
+    glm4_weights,
+    olmo2_shape,
+)
 from engine.model.hybrid import build_qwen3_5
 from engine.model.moe import split_gpt_oss_experts, split_stacked_experts
 from engine.model.rope import partial_rotary_factor
@@ -39,6 +45,7 @@ SUPPORTED_ARCHITECTURES = (
     "SmolLM3ForCausalLM",
     "Olmo2ForCausalLM",
     "Glm4ForCausalLM",
+    "Gemma4ForCausalLM",
     "Qwen3MoeForCausalLM",
     "GptOssForCausalLM",
 )
@@ -55,13 +62,18 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
 
 _GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
-_SWITCHED = {"Olmo2ForCausalLM": olmo2_shape, "Glm4ForCausalLM": glm4_shape}
+_SWITCHED = {
+    "Olmo2ForCausalLM": olmo2_shape,
+    "Glm4ForCausalLM": glm4_shape,
+    "Gemma4ForCausalLM": gemma4_shape,
+}
 
 
 def check_supported(architecture: str) -> None:
@@ -237,6 +249,9 @@ def split_fused(
         return
     if architecture == "Glm4ForCausalLM":
         yield from glm4_weights(config, weights)
+        return
+    if architecture == "Gemma4ForCausalLM":
+        yield from gemma4_weights(config, weights)
         return
     if architecture != "Phi3ForCausalLM":
         yield from weights

@@ -1,4 +1,4 @@
-"""OLMo 2 and GLM-4 as configurations of the one decoder (engine.model.decoder).
+"""OLMo 2, GLM-4 and Gemma 4 as configurations of the one decoder (engine.model.decoder).
 
 OLMo 2 (`Olmo2ForCausalLM`) norms only after each sublayer, before its residual add (the
 sandwich norms' post ones, `pre_norms` off), normalizes q and k over a token's whole projection
@@ -11,6 +11,14 @@ the interleaved layout: transformers rotates dims 2i and 2i + 1 of the first r t
 (`glm4_weights`) the norms take the decoder's names, gate/up is split, and each q and k head is
 reordered alike (q . k unchanged) so those pairs land on the decoder's pairs j and j + head_dim/2
 and the passed dims on the last pairs, which `rope.Rotary` leaves unrotated.
+
+Gemma 4 (`Gemma4ForCausalLM`, its text decoder) is Gemma 3's layer with norms that scale by the
+weight (late rounding, no offset), attention scale 1, a weightless norm on the values, a learned
+scalar on each layer's output, soft-capped logits, and full-attention layers of their own head
+size and KV heads (`DecoderShape.attention_shape`) whose rope is transformers' `proportional` one.
+Where those layers' values are the key projection (`attention_k_eq_v`), the checkpoint's k_proj
+is loaded as v_proj too (`gemma4_weights`). Per-layer embeddings, KV sharing across layers, the
+MoE block and bidirectional attention (the E2B/E4B and 26B-A4B models) are refused by name.
 """
 
 from __future__ import annotations
@@ -90,3 +98,62 @@ def interleaved_order(head_dim: int, rotary_dim: int) -> torch.Tensor:  # [head_
 
 def _rows(value: WeightValue, rows: torch.Tensor) -> WeightValue:
     return value[rows] if isinstance(value, torch.Tensor) else value.rows(rows)
+
+
+_GEMMA4_REFUSED = (  # settings of the released models the decoder does not do yet
+    "hidden_size_per_layer_input",  # per-layer embeddings (E2B, E4B)
+    "num_kv_shared_layers",  # later layers reusing earlier layers' K/V (E2B, E4B)
+    "enable_moe_block",  # a routed MLP beside the dense one (26B-A4B)
+    "use_bidirectional_attention",
+)
+
+
+def gemma4_shape(config: PretrainedConfig) -> DecoderShape:
+    for name in _GEMMA4_REFUSED:
+        if getattr(config, name, None):
+            raise ValueError(f"Gemma4ForCausalLM with {name}={getattr(config, name)!r}: not yet")
+    activation = getattr(config, "hidden_activation", None) or config.hidden_act
+    types = set(config.layer_types)
+    if activation != "gelu_pytorch_tanh" or types - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"Gemma 4 with {activation!r} or layer types {sorted(types)}")
+    bias = bool(getattr(config, "attention_bias", False))
+    # head_dim and KV heads are per layer type: the local layers' as the shape's own
+    layers = config.per_layer_config  # by layer type (and index)
+    kind = "sliding_attention" if "sliding_attention" in types else "full_attention"
+    local, full = layers[kind], layers["full_attention"]  # type: ignore[call-overload]
+    shape = DecoderShape.from_config(local, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return replace(
+        shape,
+        norm_late_round=True,
+        activation="gelu_tanh",
+        sandwich_norms=True,
+        embed_scale=float(config.hidden_size) ** 0.5,
+        attention_multiplier=1.0,
+        sliding_window=int(config.sliding_window),
+        layer_types=tuple(config.layer_types),
+        global_head_dim=int(full.head_dim),
+        global_kv_heads=int(full.num_key_value_heads),
+        v_norm=True,
+        layer_scalar=True,
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+    )
+
+
+def gemma4_weights(
+    config: PretrainedConfig, weights: Iterable[tuple[str, WeightValue]]
+) -> Iterator[tuple[str, WeightValue]]:
+    """Gemma 4's checkpoint; a full-attention layer whose values are its keys' projection
+    (`attention_k_eq_v`) gets its k_proj as v_proj too, so the decoder's fused q/k/v computes v
+    exactly as k before the norms (k takes k_norm, v the weightless v_norm)."""
+    k_is_v = bool(getattr(config, "attention_k_eq_v", False))
+    full = {i for i, t in enumerate(config.layer_types) if t == "full_attention"}
+    for name, value in weights:
+        yield name, value
+        base, _, suffix = name.rpartition(".")
+        if k_is_v and base.endswith("self_attn.k_proj") and _layer_of(name) in full:
+            yield f"{base.removesuffix('k_proj')}v_proj.{suffix}", value
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else None

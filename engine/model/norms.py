@@ -4,7 +4,8 @@
 reference does; Gemma's scales by 1 + weight and OLMo 2's by the weight, both in float32, rounding
 after it (`late_round`). `FlatNorm` is one norm over a token's whole q or k projection rather than
 per head (OLMo 2's q/k norms). `NoNorm` stands where a family has no norm (OLMo 2 before attention
-and the MLP), so the layer's residual add stays where the norm would have fused it.
+and the MLP), so the layer's residual add stays where the norm would have fused it; `UnitNorm`
+has no weight (Gemma 4's on the values).
 """
 
 from __future__ import annotations
@@ -83,3 +84,16 @@ class NoNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x + residual in out_dtype, x + residual
         total = x if residual is None else x.to(residual.dtype) + residual
         return total.to(out_dtype), total
+
+
+class UnitNorm(nn.Module):
+    """RMSNorm without a weight, in float32, `pow(-1/2)` as transformers' Gemma4RMSNorm
+    (Gemma 4's norm on the values)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> same
+        x32 = x.float()
+        return (x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)

@@ -150,7 +150,8 @@ class ModelRunner:
         s = self.model.shape
         element = torch.empty((), dtype=self.dtype).element_size()
         aux = len(self.model.aux_layers) * s.hidden_size  # an EAGLE-3 head's features, if kept
-        kv = 2 * num_kv_layers(self.model) * s.num_kv_heads * s.head_dim
+        layers = (s.attention_shape(i) for i in range(num_kv_layers(self.model)))
+        kv = 2 * sum(a.num_kv_heads * a.head_dim for a in layers)
         return (kv + aux) * self.block_size * element
 
     def keep_aux_hidden(self, layers: tuple[int, ...]) -> None:
@@ -193,11 +194,12 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.lead("allocate_kv_cache", num_blocks)
         s = self.model.shape
-        shape = (s.num_kv_heads, num_blocks, self.block_size, s.head_dim)
         # K and V tensors of their own, not views of one: a compiled graph (DecodeGraph) that
         # writes into a view of its input copies the whole base back (the pool, every layer)
         self.kv_caches = []
-        for _ in range(num_kv_layers(self.model)):
+        for i in range(num_kv_layers(self.model)):
+            a = s.attention_shape(i)  # Gemma 4's full-attention layers: their own head size
+            shape = (a.num_kv_heads, num_blocks, self.block_size, a.head_dim)
             self.kv_caches.append((self._zeros(shape), self._zeros(shape)))
         if self.model.aux_layers:
             width = len(self.model.aux_layers) * s.hidden_size

@@ -4,7 +4,7 @@ and their defaults are Llama's (engine.model.families sets them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PretrainedConfig
 
@@ -65,6 +65,13 @@ class DecoderShape:
     pre_norms: bool = True
     qk_norm_flat: bool = False
     norm_late_round: bool = False
+    # Gemma 4's: full-attention layers of their own head size and KV head count, a weightless
+    # norm on the values, a learned scalar on each layer's output, soft-capped logits
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    v_norm: bool = False
+    layer_scalar: bool = False
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_config(
@@ -107,6 +114,13 @@ class DecoderShape:
         layers and the native stack assume (not so with Gemma 3's or SmolLM3's layer kinds, nor
         with routed experts, whose choice of weights is the data's)."""
         return not self.layer_types and not self.no_rope_layers and self.moe is None
+
+    def attention_shape(self, layer: int) -> DecoderShape:
+        """The sizes layer `layer` attends at (Gemma 4's full-attention layers have their own)."""
+        if self.global_head_dim is None or self.is_sliding(layer):
+            return self
+        kv_heads = self.global_kv_heads or self.num_kv_heads
+        return replace(self, head_dim=self.global_head_dim, num_kv_heads=kv_heads)
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"

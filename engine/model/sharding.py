@@ -37,6 +37,8 @@ def check_shardable(shape: DecoderShape, world_size: int) -> None:
     kv, tp = shape.num_kv_heads, world_size
     if shape.moe is not None:
         raise ValueError("tensor parallelism does not shard routed experts (mixture of experts)")
+    if shape.global_head_dim is not None:
+        raise ValueError("tensor parallelism does not shard layers of two head sizes (Gemma 4)")
     if shape.qk_norm_flat:  # its mean spans every head: one rank's heads would not do
         raise ValueError("tensor parallelism does not shard q/k norms over all heads (OLMo 2)")
     if shape.num_heads % tp or shape.intermediate_size % tp or (kv % tp and tp % kv):

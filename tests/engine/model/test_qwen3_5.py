@@ -105,7 +105,9 @@ def test_prompt_chunks_match_transformers(model_dir: Path, sizes: tuple[int, ...
     for size in sizes:
         outs.append(_forward(runner, ids[pos : pos + size], pos, slot=1))
         pos += size
-    assert max_diff(torch.cat(outs), _hf_chunked_logits(model_dir, ids, sizes)) < 1e-4
+    # 1e-3: the chunked rule differences large cumulative decays, so float32 rounding elsewhere
+    # (the native offset RMSNorm's) shows up ~10x larger; its two forms differ by 1.6e-3
+    assert max_diff(torch.cat(outs), _hf_chunked_logits(model_dir, ids, sizes)) < 1e-3
 
 
 @torch.no_grad()
@@ -134,6 +136,36 @@ def test_two_requests_keep_their_own_states(model_dir: Path) -> None:
         ]
         one_by_one = torch.cat([alone.forward([i]) for i in inputs])
         assert max_diff(batched.forward(inputs), one_by_one) < 1e-5
+
+
+def test_decodes_and_verifies_batched_give_what_each_gets_alone(model_dir: Path) -> None:
+    """Three requests' decode tokens in one forward, then their verifies of 2 drafts in one,
+    committed at different accepted counts: each gets the logits and the state it gets alone
+    (GEMMs of 3 rows against 1 round differently in float32, hence the tolerance)."""
+    prompts = [prompt_ids(12, seed=s) for s in (21, 22, 23)]
+    tables = [TABLE[i::3] for i in range(3)]
+    commits = [StateCommit(i, 10 + i) for i in range(3)]  # accepted 0, 1, 2 drafts
+
+    def run(batched: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        runner, logits = _runner(model_dir), []
+        for span, drafts in ((slice(0, 8), 0), (slice(8, 9), 0), (slice(9, 12), 2)):
+            inputs = [
+                ForwardInput(p[span], span.start, t, len(p[span]), drafts, state_slot=i)
+                for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
+            ]
+            batches = [inputs] if batched else [[i] for i in inputs]
+            for batch in batches:  # a commit after each forward, as the engine's step does
+                logits.append(runner.forward(batch))
+                runner.commit_states(commits)
+        assert runner.states is not None
+        out = torch.cat(logits)
+        return out[24:27], out[27:], runner.states.recurrent  # 3 x 8 prompt rows first
+
+    decode, verify, states = run(batched=True)
+    decode_alone, verify_alone, states_alone = run(batched=False)
+    assert max_diff(decode, decode_alone) < 1e-4 and max_diff(verify, verify_alone) < 1e-4
+    for layer in range(3):
+        assert max_diff(states[layer][:3], states_alone[layer][:3]) < 1e-5
 
 
 @pytest.mark.parametrize("accepted", [0, 1, 2, 3])

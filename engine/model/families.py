@@ -28,6 +28,7 @@ from engine.model.family_switches import (
     glm4_weights,
     olmo2_shape,
 )
+from engine.model.gemma4 import build_gemma4, gemma4_extras
 from engine.model.hybrid import build_qwen3_5
 from engine.model.moe import split_gpt_oss_experts, split_stacked_experts
 from engine.model.rope import partial_rotary_factor
@@ -69,11 +70,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
 }
 
 _GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
-_SWITCHED = {
-    "Olmo2ForCausalLM": olmo2_shape,
-    "Glm4ForCausalLM": glm4_shape,
-    "Gemma4ForCausalLM": gemma4_shape,
-}
+_SWITCHED = {"Olmo2ForCausalLM": olmo2_shape, "Glm4ForCausalLM": glm4_shape}
 
 
 def check_supported(architecture: str) -> None:
@@ -95,6 +92,8 @@ def build_decoder(architecture: str, config: PretrainedConfig) -> DecoderModel:
         return DecoderModel(_qwen3_moe_shape(config))
     if architecture == "GptOssForCausalLM":
         return DecoderModel(_gpt_oss_shape(config))
+    if architecture == "Gemma4ForCausalLM":  # per-layer embeddings, KV sharing: engine.model.gemma4
+        return build_gemma4(gemma4_shape(config), gemma4_extras(config))
     if architecture in _SWITCHED:  # engine.model.family_switches
         return DecoderModel(_SWITCHED[architecture](config))
     if partial_rotary_factor(config) != 1.0 and architecture != "Phi3ForCausalLM":

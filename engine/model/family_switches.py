@@ -17,8 +17,8 @@ weight (late rounding, no offset), attention scale 1, a weightless norm on the v
 scalar on each layer's output, soft-capped logits, and full-attention layers of their own head
 size and KV heads (`DecoderShape.attention_shape`) whose rope is transformers' `proportional` one.
 Where those layers' values are the key projection (`attention_k_eq_v`), the checkpoint's k_proj
-is loaded as v_proj too (`gemma4_weights`). Per-layer embeddings, KV sharing across layers, the
-MoE block and bidirectional attention (the E2B/E4B and 26B-A4B models) are refused by name.
+is loaded as v_proj too (`gemma4_weights`). Per-layer embeddings and KV-shared layers (E2B,
+E4B) are engine.model.gemma4's; the MoE block (26B-A4B) and bidirectional attention are refused.
 """
 
 from __future__ import annotations
@@ -101,8 +101,6 @@ def _rows(value: WeightValue, rows: torch.Tensor) -> WeightValue:
 
 
 _GEMMA4_REFUSED = (  # settings of the released models the decoder does not do yet
-    "hidden_size_per_layer_input",  # per-layer embeddings (E2B, E4B)
-    "num_kv_shared_layers",  # later layers reusing earlier layers' K/V (E2B, E4B)
     "enable_moe_block",  # a routed MLP beside the dense one (26B-A4B)
     "use_bidirectional_attention",
 )
@@ -147,10 +145,19 @@ def gemma4_weights(
     exactly as k before the norms (k takes k_norm, v the weightless v_norm)."""
     k_is_v = bool(getattr(config, "attention_k_eq_v", False))
     full = {i for i, t in enumerate(config.layer_types) if t == "full_attention"}
+    layers = len(config.layer_types)
+    shared = set(range(layers - int(config.num_kv_shared_layers or 0), layers))
     for name, value in weights:
-        yield name, value
         base, _, suffix = name.rpartition(".")
-        if k_is_v and base.endswith("self_attn.k_proj") and _layer_of(name) in full:
+        layer = _layer_of(name)
+        if layer in shared:  # a KV-shared layer keeps its query alone (engine.model.gemma4)
+            if base.endswith("self_attn.q_proj"):
+                yield f"{base.removesuffix('q_proj')}query.{suffix}", value
+            elif not base.endswith(("k_proj", "v_proj", "k_norm", "v_norm")):
+                yield name, value
+            continue
+        yield name, value
+        if k_is_v and base.endswith("self_attn.k_proj") and layer in full:
             yield f"{base.removesuffix('k_proj')}v_proj.{suffix}", value
 
 

@@ -1,8 +1,9 @@
 """Gemma 4's text decoder (Gemma4ForCausalLM) served exactly: Gemma 3's layer with norms that
 scale by the weight, attention scale 1, a weightless norm on the values, learned layer scalars,
 soft-capped logits, and full-attention layers of their own head size and KV heads (values from the
-key projection, `attention_k_eq_v`) with the proportional rope; against transformers' own on tiny
-random models in float32. Per-layer embeddings, KV sharing and the MoE block are refused."""
+key projection, `attention_k_eq_v`) with the proportional rope; E2B/E4B's per-layer embeddings and
+KV-shared layers (engine/model/gemma4.py); against transformers' own on tiny random models in
+float32. The MoE block (26B-A4B) is refused."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tiny import make_tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.model.families import build_decoder
+from engine.model.gemma4 import Gemma4Model, SharedKVAttention
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.model.sharding import check_shardable
@@ -112,15 +114,12 @@ def test_greedy_equals_transformers(kind: str, gemma4_dir: Path, draft_dir: Path
 @pytest.mark.parametrize(
     "setting",
     [
-        dict(hidden_size_per_layer_input=4, vocab_size_per_layer_input=400),
-        dict(num_kv_shared_layers=2),
         dict(enable_moe_block=True, num_experts=2, top_k_experts=1, moe_intermediate_size=32),
+        dict(use_bidirectional_attention="vision"),
     ],
-    ids=["per-layer-embeddings", "kv-sharing", "moe"],
+    ids=["moe", "bidirectional"],
 )
-def test_what_the_released_small_and_moe_models_add_is_refused(
-    setting: dict[str, object], gemma4_dir: Path
-) -> None:
+def test_what_the_moe_model_adds_is_refused(setting: dict[str, object], gemma4_dir: Path) -> None:
     config = AutoConfig.from_pretrained(str(gemma4_dir), **setting)
     with pytest.raises(ValueError, match=f"Gemma4ForCausalLM with {next(iter(setting))}"):
         build_decoder("Gemma4ForCausalLM", config)
@@ -130,3 +129,44 @@ def test_tensor_parallelism_is_refused(gemma4_dir: Path) -> None:
     loaded = load_model(str(gemma4_dir))
     with pytest.raises(ValueError, match="Gemma 4"):
         check_shardable(build_decoder(loaded.architecture, loaded.hf_config).shape, 2)
+
+
+# E2B/E4B's additions: per-layer embeddings, the last two layers KV-shared with double-wide MLPs
+SMALL = dict(
+    num_layers=6,
+    layer_types=[LOCAL, LOCAL, FULL, LOCAL, LOCAL, FULL],
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=400,
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+)
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_gemma4(tmp_path_factory.mktemp("gemma4-small"), 2, **SMALL)
+
+
+def test_small_models_share_kv_and_take_per_layer_inputs(small_dir: Path) -> None:
+    """Layers 4 and 5 attend to the K/V of layers 3 and 2 (the last earlier of their type)."""
+    loaded = load_model(str(small_dir))
+    model = build_decoder(loaded.architecture, loaded.hf_config)
+    assert isinstance(model, Gemma4Model)
+    assert model.extras.kv_sources == (0, 1, 2, 3, 3, 2) and model.extras.per_layer_size == 8
+    assert isinstance(model.layers[4].self_attn, SharedKVAttention)
+    assert model.layers[5].mlp.intermediate_size == 2 * model.layers[0].mlp.intermediate_size
+
+
+def test_small_model_logits_match_transformers(small_dir: Path) -> None:
+    loaded = load_model(str(small_dir))
+    for seed, n in ((1, 40), (2, 13)):
+        ids = prompt_ids(n, seed)
+        diff = max_diff(runner_logits(loaded, ids), hf_logits(small_dir, ids))
+        assert diff < ATOL, f"max abs diff {diff}"
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft"])
+def test_small_model_greedy_equals_transformers(
+    kind: str, small_dir: Path, draft_dir: Path
+) -> None:
+    assert_greedy_equals_transformers(kind, small_dir, draft_dir)

@@ -69,8 +69,23 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "gpt_oss": "GptOssForCausalLM",
 }
 
+# multimodal checkpoints whose text model is served (the vision tower's weights are skipped)
+TEXT_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+
 _GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
 _SWITCHED = {"Olmo2ForCausalLM": olmo2_shape, "Glm4ForCausalLM": glm4_shape}
+
+
+def text_model(architecture: str, config: PretrainedConfig) -> tuple[str, PretrainedConfig]:
+    """The architecture and config to serve: a multimodal checkpoint's text model (Qwen3.5 is
+    published as Qwen3_5ForConditionalGeneration), else the checkpoint's own."""
+    text = TEXT_MODEL_OF.get(architecture)
+    if text is None:
+        return architecture, config
+    text_config = config.get_text_config()
+    text_config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    text_config.architectures = [text]
+    return text, text_config
 
 
 def check_supported(architecture: str) -> None:
@@ -301,4 +316,5 @@ __all__ = [
     "build_decoder",
     "check_supported",
     "split_fused",
+    "text_model",
 ]

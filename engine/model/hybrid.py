@@ -162,8 +162,14 @@ class HybridDecoderModel(DecoderModel):
         return super().shard_sizes(module_name)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightValue]]) -> None:
-        """The checkpoint's multi-token-prediction layers (`mtp.*`) are not served yet."""
-        super().load_weights((n, w) for n, w in weights if not n.startswith("mtp."))
+        """The text model's weights: a multimodal checkpoint's under `model.language_model.`
+        (its vision tower's, `model.visual.`, skipped); the MTP layer's (`mtp.*`) are the MTP
+        head's (engine.model.mtp)."""
+        super().load_weights(
+            (name.replace("model.language_model.", "model.", 1), value)
+            for name, value in weights
+            if not name.startswith(("mtp.", "model.visual."))
+        )
 
 
 def num_kv_layers(model: DecoderModel) -> int:

@@ -28,7 +28,12 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from engine.config import Quantization
 from engine.model.decoder import WeightValue
-from engine.model.families import ARCHITECTURE_OF_MODEL_TYPE, check_supported, split_fused
+from engine.model.families import (
+    ARCHITECTURE_OF_MODEL_TYPE,
+    check_supported,
+    split_fused,
+    text_model,
+)
 from engine.model.gguf_config import gguf_config
 from engine.model.gguf_dense import OWN_CONFIG_ARCHS, gguf_tokenizer
 from engine.model.quantization import quantization_for_weights
@@ -131,7 +136,7 @@ def architecture_of(config: PretrainedConfig) -> str:
 
 def _load_folder(spec: str, folder: Path) -> LoadedModel:
     config = AutoConfig.from_pretrained(str(folder))
-    architecture = architecture_of(config)
+    architecture, config = text_model(architecture_of(config), config)
     check_supported(architecture)
     _log(f"loading {spec} ({architecture}) from {folder}")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

@@ -204,3 +204,26 @@ def test_a_candidate_that_does_not_exist_is_refused(model_dir: Path) -> None:
     _forward(runner, ids[8:], 8, slot=0, drafts=3)  # candidates at 9..12 tokens
     with pytest.raises(ValueError, match="no such candidate"):
         runner.commit_states([StateCommit(0, 13)])
+
+
+@torch.no_grad()
+def test_the_published_multimodal_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """Qwen3.5 is published as Qwen3_5ForConditionalGeneration (text config nested, weights
+    under model.language_model, a vision tower beside): its text model is served."""
+    text = hf_model(make_tiny_qwen3_5(tmp_path / "text", seed=2)).config.to_dict()
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64)
+    config = hf.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = hf.Qwen3_5ForConditionalGeneration(config).eval()
+    folder = tmp_path / "vl"
+    model.save_pretrained(str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tmp_path / "text" / name).read_bytes())
+    loaded = load_model(str(folder))
+    assert loaded.architecture == "Qwen3_5ForCausalLM"
+    ids = prompt_ids(40, seed=12)
+    runner = ModelRunner(loaded, "cpu", "float32", 4)
+    runner.allocate_kv_cache(BLOCKS)
+    runner.allocate_states(1)
+    ours = _forward(runner, ids, 0, slot=0)
+    assert max_diff(ours, model(torch.tensor([ids])).logits[0]) < 1e-3

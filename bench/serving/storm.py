@@ -3,9 +3,9 @@
     python -m bench.serving.storm --model DIR --draft-model DIR --clients 1000,5000,10000
 
 Starts `specserve serve` (draft speculation), then measures the tokens/s it delivers to a steady
-closed loop of `--steady` clients (the reference), then, for each N of `--clients`, fires N
-one-shot completions at the same instant from `--processes` processes (so the load generator is
-not the bottleneck). Every client is the openai SDK's `AsyncOpenAI` with its default retries and
+closed loop of `--steady` clients (the reference), then fires N one-shot completions at the same
+instant from `--processes` processes (so the load generator is not one process), for each N of
+`--clients`, a steady reference right before each storm. Every client is the openai SDK's `AsyncOpenAI` with its default retries and
 timeout (2 retries honouring `Retry-After`, 600 s); a process shares one HTTP pool sized for its
 clients. A storm's tokens/s is the completion tokens its clients received over the time from the
 start to the last answer; the report gives its ratio to the steady rate, the clients' errors, the
@@ -37,7 +37,7 @@ from bench.serving.launcher import free_port, stop, wait_healthy
 from bench.serving.machine import cpu_info
 
 PROMPT = "Once upon a time there was a little server that"
-START_DELAY_S = 3.0  # the worker processes import the SDK and build their pools before the start
+START_DELAY_S = 5.0  # the worker processes build their clients and pools before the start
 
 
 @dataclass
@@ -50,6 +50,7 @@ class Outcome:
     statuses: Counter[int] = field(default_factory=Counter)  # every HTTP answer, retries too
     latencies_s: list[float] = field(default_factory=list)
     last_answer: float = 0.0  # wall clock
+    cpu_s: float = 0.0  # what the clients' processes spent (they share the host with the server)
 
     def merge(self, other: Outcome) -> None:
         self.ok += other.ok
@@ -58,6 +59,7 @@ class Outcome:
         self.statuses.update(other.statuses)
         self.latencies_s += other.latencies_s
         self.last_answer = max(self.last_answer, other.last_answer)
+        self.cpu_s += other.cpu_s
 
 
 # ---------------------------------------------------------------------------- the clients
@@ -95,11 +97,25 @@ async def one_request(client: Any, out: Outcome, max_tokens: int) -> None:
     out.latencies_s.append(out.last_answer - started)
 
 
-async def storm_clients(url: str, n: int, start_at: float, max_tokens: int) -> Outcome:
+async def storm_clients(
+    url: str, n: int, start_at: float, end_at: float, max_tokens: int, ramp_s: float
+) -> Outcome:
+    """`n` one-shot requests at `start_at` (or spread evenly over `ramp_s` seconds from it);
+    those still unanswered at `end_at` are counted."""
     out = Outcome()
     client = sdk_client(url, max(n, 1), out.statuses)
-    await asyncio.sleep(max(0.0, start_at - time.time()))
-    await asyncio.gather(*(one_request(client, out, max_tokens) for _ in range(n)))
+
+    async def client_k(k: int) -> None:
+        await asyncio.sleep(max(0.0, start_at + ramp_s * k / n - time.time()))
+        await one_request(client, out, max_tokens)
+
+    tasks = [asyncio.create_task(client_k(k)) for k in range(n)]
+    _, pending = await asyncio.wait(tasks, timeout=max(0.0, end_at - time.time()))
+    for task in pending:
+        task.cancel()
+    if pending:
+        out.errors["unanswered at the bound"] = len(pending)
+    await asyncio.gather(*pending, return_exceptions=True)
     await client.close()
     return out
 
@@ -119,9 +135,25 @@ async def steady_clients(url: str, n: int, start_at: float, end_at: float, token
     return out
 
 
-def run_worker(kind: str, url: str, n: int, start_at: float, end_at: float, tokens: int) -> Outcome:
+def run_worker(
+    kind: str, url: str, n: int, start_at: float, end_at: float, tokens: int, ramp_s: float = 0.0
+) -> Outcome:
+    cpu = time.process_time()
+    out = _run_worker(kind, url, n, start_at, end_at, tokens, ramp_s)
+    out.cpu_s = time.process_time() - cpu
+    return out
+
+
+def _run_worker(
+    kind: str, url: str, n: int, start_at: float, end_at: float, tokens: int, ramp_s: float
+) -> Outcome:
+    if kind == "warm":
+        import openai  # noqa: F401 - the SDK's import is slow; keep it out of the first phase
+
+        time.sleep(1.0)  # long enough for the pool to hand each worker one of these
+        return Outcome()
     if kind == "storm":
-        return asyncio.run(storm_clients(url, n, start_at, tokens))
+        return asyncio.run(storm_clients(url, n, start_at, end_at, tokens, ramp_s))
     return asyncio.run(steady_clients(url, n, start_at, end_at, tokens))
 
 
@@ -136,7 +168,8 @@ def fire(pool: ProcessPoolExecutor, kind: str, url: str, n: int, args: argparse.
     end_at = start_at + duration_s
     parts = shares(n, args.processes)
     futures = [
-        pool.submit(run_worker, kind, url, k, start_at, end_at, args.max_tokens) for k in parts
+        pool.submit(run_worker, kind, url, k, start_at, end_at, args.max_tokens, args.ramp_s)
+        for k in parts
     ]
     total = Outcome()
     for future in futures:
@@ -192,6 +225,17 @@ def rss_mib(pid: int) -> float:
     return int(line.split()[1]) / 1024
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time (/proc/PID/stat, in clock ticks)."""
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def server_counts(url: str) -> dict[str, float]:
     """The admission and goodput series, summed over their labels (reason and status kept)."""
     wanted = ("request_refused_total", "retry_after_seconds_count", "retry_after_seconds_sum",
@@ -214,22 +258,36 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 # ---------------------------------------------------------------------------- the phases
 
 
-def steady(pool: ProcessPoolExecutor, url: str, args: argparse.Namespace) -> dict[str, Any]:
+def warm(pool: ProcessPoolExecutor, args: argparse.Namespace) -> None:
+    futures = [pool.submit(run_worker, "warm", "", 0, 0.0, 0.0, 0) for _ in range(args.processes)]
+    for future in futures:
+        future.result()
+
+
+def steady(
+    pool: ProcessPoolExecutor, url: str, pid: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    cpu = cpu_seconds(pid)
     out, start = fire(pool, "steady", url, args.steady, args, args.steady_s)
     elapsed = max(out.last_answer, start + args.steady_s) - start
-    return summary(out, elapsed, args.steady) | {"clients": args.steady, "kind": "steady"}
+    report = summary(out, elapsed, args.steady) | {"clients": args.steady, "kind": "steady"}
+    report["cpu_s"] = {"server": round(cpu_seconds(pid) - cpu, 1), "clients": round(out.cpu_s, 1)}
+    return report
 
 
 def storm(
     pool: ProcessPoolExecutor, url: str, n: int, pid: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     before = server_counts(url)
-    rss_before, peak = rss_mib(pid), PeakRss(pid)
-    out, start = fire(pool, "storm", url, n, args)
-    elapsed = out.last_answer - start
+    rss_before, peak, cpu = rss_mib(pid), PeakRss(pid), cpu_seconds(pid)
+    out, start = fire(pool, "storm", url, n, args, args.bound_s)
+    server_cpu_s = cpu_seconds(pid) - cpu
+    unanswered = out.errors.get("unanswered at the bound", 0)
+    elapsed = (start + args.bound_s if unanswered else out.last_answer) - start
     server = delta(server_counts(url), before)
     report = summary(out, elapsed, n) | {"clients": n, "kind": "storm", "server": server}
     report["rss_mib"] = {"before": round(rss_before), "peak": round(peak.stop())}
+    report["cpu_s"] = {"server": round(server_cpu_s, 1), "clients": round(out.cpu_s, 1)}
     advised = server.get("retry_after_seconds_count{429}", 0.0)
     if advised:
         report["mean_retry_after_s"] = server["retry_after_seconds_sum{429}"] / advised
@@ -260,13 +318,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"cpu": cpu_info().summary(), "args": vars(args)}
     try:
         with ProcessPoolExecutor(args.processes, mp_context=get_context("spawn")) as pool:
-            results["steady"] = steady(pool, url, args)
-            print(f"storm: steady {json.dumps(results['steady'])}", file=sys.stderr)
-            ref = results["steady"]["tokens_per_s"]
-            for n in args.clients:
+            warm(pool, args)
+            for n in args.clients:  # a steady reference right before each storm: the host drifts
+                ref = steady(pool, url, proc.pid, args)
+                print(f"storm: steady {json.dumps(ref)}", file=sys.stderr)
                 report = storm(pool, url, n, proc.pid, args)
-                report["vs_steady"] = round(report["tokens_per_s"] / ref, 3) if ref else None
-                results[f"storm_{n}"] = report
+                rate = ref["tokens_per_s"]
+                report["vs_steady"] = round(report["tokens_per_s"] / rate, 3) if rate else None
+                results[f"storm_{n}"] = {"steady": ref, "storm": report}
                 print(f"storm: {n} {json.dumps(report)}", file=sys.stderr)
     finally:
         stop(proc)
@@ -281,6 +340,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steady", type=int, default=64, help="clients of the steady reference")
     p.add_argument("--steady-s", type=float, default=30.0, help="seconds of the steady load")
     p.add_argument("--processes", type=int, default=4, help="client processes")
+    p.add_argument("--bound-s", type=float, default=900.0, help="a storm's time limit")
+    p.add_argument(
+        "--ramp-s", type=float, default=0.0,
+        help="start a storm's clients evenly over this many seconds (0: all at once)",
+    )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
     p.add_argument("--max-num-seqs", type=int, default=64)

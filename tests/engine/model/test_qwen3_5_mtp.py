@@ -6,13 +6,16 @@ greedy output with it equal to transformers'."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs
+from engine_utils import chi_square_pvalue, greedy, hf_greedy, hf_model, make_engine, outputs
 from family_utils import MAX_TOKENS, batched_prompts, max_diff, prompt_ids
 from safetensors.torch import load_file, save_file
+from test_qwen3_5_engine import NUM_SAMPLES, TEMPERATURE
+from test_qwen3_5_engine import _exact_pair_probs as exact_pair_probs
 from tiny import make_tiny_model, make_tiny_qwen3_5
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
@@ -22,6 +25,7 @@ from engine.model.hybrid import HybridDecoderModel
 from engine.model.loader import load_model
 from engine.model.mtp import load_mtp_head
 from engine.model.runner import ModelRunner
+from engine.sample.sampling_params import SamplingParams
 
 MTP = SpeculativeConfig(method="mtp", num_speculative_tokens=3, adaptive=False)
 
@@ -133,3 +137,26 @@ def test_mtp_needs_the_checkpoints_layers(model_dir: Path, tmp_path: Path) -> No
     with pytest.raises(ValueError, match="no MTP layers"):
         make_engine(plain, speculative=MTP)
     assert outputs(make_engine(plain), batched_prompts()[:1], greedy(2))  # served without it
+
+
+def test_sampled_pairs_with_the_mtp_draft_follow_the_target(model_dir: Path) -> None:
+    """Unseeded sampling, the MTP head's drafts verified by rejection sampling (its q after the
+    request's temperature): given the likeliest first token, the next two keep the target's law.
+    (The head drafts only after a step that computed just the last token: from the second
+    token on.)"""
+    prompt = batched_prompts()[2]
+    engine = make_engine(
+        model_dir,
+        speculative=MTP,
+        num_kv_blocks=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
+    params = SamplingParams(max_tokens=3, temperature=TEMPERATURE, ignore_eos=True)
+    seqs = engine.generate([prompt] * NUM_SAMPLES, params)
+    assert sum(s.spec.num_draft_tokens for s in seqs) > NUM_SAMPLES // 2  # the head drafted
+    outs = [s.output_token_ids for s in seqs]
+    first = Counter(out[0] for out in outs).most_common(1)[0][0]
+    pairs = [(out[1], out[2]) for out in outs if out[0] == first]
+    assert len(pairs) > NUM_SAMPLES // 4 and len(set(pairs)) > 10
+    assert chi_square_pvalue(pairs, exact_pair_probs(model_dir, prompt + [first])) > 1e-3

@@ -25,9 +25,12 @@ from bench.serving.datasets import load_category
 from bench.serving.options import csv_list
 from bench.spec_grid import token_ids
 from engine.core.llm_engine import LLMEngine
+from engine.model.runner import ForwardInput
 from engine.sample.sampling_params import SamplingParams
 
 MODES = ("plain", "chain", "tree")
+# A tree of 6 nodes for --verify-cost: two branches of 3 at the root (a chain's 6 rows otherwise).
+COST_TREE = (-1, 0, 1, -1, 3, 4)
 
 
 def run_mode(
@@ -49,6 +52,29 @@ def run_mode(
     return tokens / (time.perf_counter() - started), outputs, passes, accepted
 
 
+def verify_cost(engine: LLMEngine, prompt: list[int], rounds: int) -> dict[str, float]:
+    """Median seconds of one target forward after the prompt: a decode (1 row), a chain verify
+    (1 + 6 rows) and a tree verify of the same rows (COST_TREE), alternating, on scratch blocks
+    past the prompt's (nothing is kept)."""
+    target, n = engine.target, len(prompt)
+    pool, need = engine.block_manager.num_blocks, -(-(n + 8) // engine.config.block_size)
+    table = list(range(pool - need, pool))  # the pool's last blocks: no request reaches them here
+    target.forward([ForwardInput(prompt[:-1], 0, table, 0)])
+    drafts = prompt[:6]
+    shapes = {
+        "decode": ForwardInput([prompt[-1]], n - 1, table, 1),
+        "chain": ForwardInput([prompt[-1], *drafts], n - 1, table, 7, 6),
+        "tree": ForwardInput([prompt[-1], *drafts], n - 1, table, 7, 6, COST_TREE),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in shapes}
+    for _ in range(rounds):
+        for name, inp in shapes.items():
+            started = time.perf_counter()
+            target.forward([inp])
+            seconds[name].append(time.perf_counter() - started)
+    return {name: statistics.median(s) for name, s in seconds.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--config", type=Path, default=Path("configs/ngram.yaml"))
@@ -58,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--tree-width", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--verify-cost", type=int, default=0, help="only time decode/chain/tree forwards, N rounds"
+    )
     args = ap.parse_args(argv)
 
     from server.settings import Settings
@@ -70,9 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         tree_width=args.tree_width,
     )
     engine = LLMEngine(replace(config, speculative=spec))
-    print(f"CPU: {cpu_flags()}; threads {engine.config.num_threads}")
+    print(f"CPU: {cpu_flags()}; threads {engine.config.num_threads}", flush=True)
     for category in csv_list(args.categories):
         prompts = [token_ids(engine, p) for p in load_category(category, args.num_prompts, {})]
+        if args.verify_cost:
+            cost = verify_cost(engine, prompts[0], args.verify_cost)
+            print(f"{category}: forward medians (s) {cost}; tree / chain x"
+                  f"{cost['tree'] / cost['chain']:.3f}, chain / decode x"
+                  f"{cost['chain'] / cost['decode']:.3f}", flush=True)  # fmt: skip
+            continue
         engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))  # prefix cache
         rates: dict[str, list[float]] = {m: [] for m in MODES}
         texts: dict[str, list[list[int]]] = {}
@@ -83,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     engine, mode, prompts, args.k, args.tree_width, args.max_tokens
                 )
                 rates[mode].append(rate)
+                print(f"  {category} round {r} {mode}: {rate:.2f} tok/s", flush=True)
                 texts[mode] = out
                 counts[mode] = (passes, accepted)
         med = {m: statistics.median(v) for m, v in rates.items()}
@@ -96,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"  accepted length/pass {length:.2f}  equal to plain {same}/{len(prompts)}"
                 f"  rounds {[round(x, 2) for x in rates[mode]]}"
             )
-        print(f"  tree / chain: x{med['tree'] / med['chain']:.3f}")
+        print(f"  tree / chain: x{med['tree'] / med['chain']:.3f}", flush=True)
     return 0
 
 

@@ -113,7 +113,8 @@ def is_llama(s: DecoderShape) -> bool:
 def is_gemma(s: DecoderShape) -> bool:
     """Gemma 3's layer as layers.cpp computes it (its local layers windowed)."""
     switches = s.norm_offset and s.sandwich_norms and s.qk_norm and s.activation == "gelu_tanh"
-    odd = s.qk_norm_flat or not s.pre_norms or s.attention_sinks or s.no_rope_layers
+    odd = s.qk_norm_flat or not s.pre_norms or s.attention_sinks or bool(s.no_rope_layers)
+    odd = odd or s.v_norm or s.layer_scalar or s.global_head_dim is not None  # Gemma 4's
     kinds = set(s.layer_types) <= {"sliding_attention", "full_attention"}
     window = s.sliding_window is not None or "sliding_attention" not in s.layer_types
     plain = s.residual_multiplier == 1.0 and s.moe is None and not s.qkv_bias and not s.o_bias

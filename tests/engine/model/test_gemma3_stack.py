@@ -189,5 +189,6 @@ def test_other_families_with_windows_or_sinks_keep_the_python_loop() -> None:
     from dataclasses import replace
 
     for odd in (dict(attention_sinks=True), dict(activation="silu"), dict(sliding_window=None),
-                dict(qk_norm_flat=True), dict(residual_multiplier=2.0)):  # fmt: skip
+                dict(qk_norm_flat=True), dict(residual_multiplier=2.0), dict(v_norm=True),
+                dict(layer_scalar=True), dict(global_head_dim=32)):  # fmt: skip
         assert not decoder_stack.is_gemma(replace(base, **odd)), odd  # type: ignore[arg-type]

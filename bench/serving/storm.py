@@ -65,19 +65,25 @@ class Outcome:
 # ---------------------------------------------------------------------------- the clients
 
 
-def sdk_client(base_url: str, connections: int, statuses: Counter[int]) -> Any:
-    """The SDK's client with its own defaults (retries, timeout), on a pool wide enough for
-    every client of this process (the SDK's default pool holds 1,000 connections)."""
+def sdk_client(
+    base_url: str, connections: int, statuses: Counter[int], connect_timeout_s: float | None
+) -> Any:
+    """The SDK's client with its own defaults (retries; the timeout unless `connect_timeout_s`
+    replaces its 5 s for connecting), on a pool wide enough for every client of this process
+    (the SDK's default pool holds 1,000 connections)."""
     import httpx2
     import openai
 
     async def seen(response: Any) -> None:
         statuses[response.status_code] += 1
 
-    http = openai.DefaultAsyncHttpxClient(
-        limits=httpx2.Limits(max_connections=connections, max_keepalive_connections=connections),
-        event_hooks={"response": [seen]},
-    )
+    kwargs: dict[str, Any] = {
+        "limits": httpx2.Limits(max_connections=connections, max_keepalive_connections=connections),
+        "event_hooks": {"response": [seen]},
+    }
+    if connect_timeout_s is not None:
+        kwargs["timeout"] = httpx2.Timeout(600.0, connect=connect_timeout_s)
+    http = openai.DefaultAsyncHttpxClient(**kwargs)
     return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="storm", http_client=http)
 
 
@@ -98,12 +104,18 @@ async def one_request(client: Any, out: Outcome, max_tokens: int) -> None:
 
 
 async def storm_clients(
-    url: str, n: int, start_at: float, end_at: float, max_tokens: int, ramp_s: float
+    url: str,
+    n: int,
+    start_at: float,
+    end_at: float,
+    max_tokens: int,
+    ramp_s: float,
+    connect_timeout_s: float | None,
 ) -> Outcome:
     """`n` one-shot requests at `start_at` (or spread evenly over `ramp_s` seconds from it);
     those still unanswered at `end_at` are counted."""
     out = Outcome()
-    client = sdk_client(url, max(n, 1), out.statuses)
+    client = sdk_client(url, max(n, 1), out.statuses, connect_timeout_s)
 
     async def client_k(k: int) -> None:
         await asyncio.sleep(max(0.0, start_at + ramp_s * k / n - time.time()))
@@ -123,7 +135,7 @@ async def storm_clients(
 async def steady_clients(url: str, n: int, start_at: float, end_at: float, tokens: int) -> Outcome:
     """`n` clients that each send a request as soon as their last one is answered."""
     out = Outcome()
-    client = sdk_client(url, max(n, 1), out.statuses)
+    client = sdk_client(url, max(n, 1), out.statuses, None)
     await asyncio.sleep(max(0.0, start_at - time.time()))
 
     async def loop() -> None:
@@ -136,24 +148,28 @@ async def steady_clients(url: str, n: int, start_at: float, end_at: float, token
 
 
 def run_worker(
-    kind: str, url: str, n: int, start_at: float, end_at: float, tokens: int, ramp_s: float = 0.0
-) -> Outcome:
+    kind: str, url: str, n: int, start_at: float, end_at: float, tokens: int,
+    ramp_s: float = 0.0, connect_timeout_s: float | None = None,
+) -> Outcome:  # fmt: skip
     cpu = time.process_time()
-    out = _run_worker(kind, url, n, start_at, end_at, tokens, ramp_s)
+    out = _run_worker(kind, url, n, start_at, end_at, tokens, ramp_s, connect_timeout_s)
     out.cpu_s = time.process_time() - cpu
     return out
 
 
 def _run_worker(
-    kind: str, url: str, n: int, start_at: float, end_at: float, tokens: int, ramp_s: float
-) -> Outcome:
+    kind: str, url: str, n: int, start_at: float, end_at: float, tokens: int, ramp_s: float,
+    connect_timeout_s: float | None,
+) -> Outcome:  # fmt: skip
     if kind == "warm":
         import openai  # noqa: F401 - the SDK's import is slow; keep it out of the first phase
 
         time.sleep(1.0)  # long enough for the pool to hand each worker one of these
         return Outcome()
     if kind == "storm":
-        return asyncio.run(storm_clients(url, n, start_at, end_at, tokens, ramp_s))
+        return asyncio.run(
+            storm_clients(url, n, start_at, end_at, tokens, ramp_s, connect_timeout_s)
+        )
     return asyncio.run(steady_clients(url, n, start_at, end_at, tokens))
 
 
@@ -168,7 +184,17 @@ def fire(pool: ProcessPoolExecutor, kind: str, url: str, n: int, args: argparse.
     end_at = start_at + duration_s
     parts = shares(n, args.processes)
     futures = [
-        pool.submit(run_worker, kind, url, k, start_at, end_at, args.max_tokens, args.ramp_s)
+        pool.submit(
+            run_worker,
+            kind,
+            url,
+            k,
+            start_at,
+            end_at,
+            args.max_tokens,
+            args.ramp_s,
+            args.connect_timeout_s,
+        )
         for k in parts
     ]
     total = Outcome()
@@ -344,6 +370,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--ramp-s", type=float, default=0.0,
         help="start a storm's clients evenly over this many seconds (0: all at once)",
+    )  # fmt: skip
+    p.add_argument(
+        "--connect-timeout-s", type=float, default=None,
+        help="a storm's clients' connect timeout (default: the SDK's 5 s); a host too small to "
+        "run the clients and the server together starves the clients' own event loops past it",
     )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads")

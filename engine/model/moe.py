@@ -92,11 +92,27 @@ class MoE(nn.Module):
         dtype: torch.dtype,  # the model's
     ) -> torch.Tensor:  # [T, hidden] in dtype
         weights, ids = self.gate(x, dtype)  # [T, k] each
+        if x.shape[0] == 1:
+            return self._one_row(x, dtype, weights[0], ids[0])
         out = torch.zeros(x.shape[0], x.shape[1], dtype=dtype, device=x.device)
         for expert, rows, slots in _rows_by_expert(ids, len(self.experts)):
             y = self.experts[expert](x[rows], dtype).to(dtype)  # [n, hidden]
             # weighted in the model dtype and added in expert order, as transformers does
             out.index_add_(0, rows, y * weights.view(-1)[slots, None])
+        return out
+
+    def _one_row(
+        self,
+        x: torch.Tensor,  # [1, hidden]
+        dtype: torch.dtype,
+        weights: torch.Tensor,  # [k] in dtype
+        ids: torch.Tensor,  # [k]
+    ) -> torch.Tensor:  # [1, hidden] in dtype
+        """A lone row (a decode step): its k experts without the grouping's index ops, the same
+        products added in the same order (increasing expert id) as `forward`'s."""
+        out = torch.zeros(1, x.shape[1], dtype=dtype, device=x.device)
+        for expert, slot in sorted((e, j) for j, e in enumerate(ids.tolist())):
+            out += self.experts[expert](x, dtype).to(dtype) * weights[slot]
         return out
 
 

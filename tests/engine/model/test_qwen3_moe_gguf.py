@@ -187,19 +187,22 @@ def test_logits_match_transformers_on_the_dequantized_weights(
 
 
 @needs_kernels
-def test_native_experts_are_batch_invariant(gguf_file: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_native_experts_are_batch_invariant(gguf_file: Path, dtype: torch.dtype) -> None:
     """On the native kernels a row's routed output is bit-identical alone or in any batch: the
     property that makes speculative greedy equal plain greedy."""
     if not gguf_file.name.endswith("Q8_0.gguf"):
         pytest.skip("F32 experts run dense (torch's GEMM)")
-    runner = ModelRunner(load_model(str(gguf_file), "gguf"), "cpu", "float32", 4)
+    name = str(dtype).removeprefix("torch.")
+    runner = ModelRunner(load_model(str(gguf_file), "gguf"), "cpu", name, 4)
     moe = runner.model.layers[1].mlp
     assert isinstance(moe, MoE)
     x = torch.randn(9, runner.model.shape.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        batched = moe(x, torch.float32)
-        alone = torch.cat([moe(x[i : i + 1], torch.float32) for i in range(9)])
-    assert torch.equal(batched, alone)
+        batched = moe(x, dtype)  # rows grouped by expert
+        alone = torch.cat([moe(x[i : i + 1], dtype) for i in range(9)])  # the one-row path
+        pairs = torch.cat([moe(x[i : i + 2], dtype) for i in range(0, 8, 2)])
+    assert torch.equal(batched, alone) and torch.equal(batched[:8], pairs)
 
 
 def _prompts() -> list[list[int]]:

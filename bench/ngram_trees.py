@@ -1,4 +1,4 @@
-"""N-gram draft trees against n-gram chains, in one engine, at concurrency 1.
+"""Draft trees against chains (n-gram, or an EAGLE-3 head's with --eagle3), in one engine, c = 1.
 
     python -m bench.ngram_trees --categories code,chat --num-prompts 3 --max-tokens 96 \\
         --k 6 --tree-width 3 --rounds 2
@@ -37,8 +37,9 @@ def run_mode(
     engine: LLMEngine, mode: str, prompts: list[list[int]], k: int, width: int, max_tokens: int
 ) -> tuple[float, list[list[int]], int, int]:
     """tokens/s, the outputs, verify passes with drafts and tokens accepted, one prompt at a time."""
-    assert engine._ngram is not None
-    engine._ngram.tree_width = width if mode == "tree" else 1
+    for proposer in (engine._ngram, engine._eagle3):  # whichever drafts
+        if proposer is not None:
+            proposer.tree_width = width if mode == "tree" else 1
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=0 if mode == "plain" else k
     )
@@ -78,6 +79,9 @@ def verify_cost(engine: LLMEngine, prompt: list[int], rounds: int) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--config", type=Path, default=Path("configs/ngram.yaml"))
+    ap.add_argument(
+        "--eagle3", default=None, help="an EAGLE-3 head's folder: its trees against its chains"
+    )
     ap.add_argument("--categories", default="code,chat")
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         adaptive=False,
         tree_width=args.tree_width,
     )
+    if args.eagle3 is not None:
+        spec = replace(spec, method="eagle3", draft_model=args.eagle3)
     engine = LLMEngine(replace(config, speculative=spec))
     print(f"CPU: {cpu_flags()}; threads {engine.config.num_threads}", flush=True)
     for category in csv_list(args.categories):

@@ -168,7 +168,7 @@ class OpenAIServing:
     def check_capacity(self, jobs: list[Job]) -> None:
         """Called once a request is fully validated: a bad request is a 400, never a 429."""
         if not self.engine.is_alive:
-            raise not_ready("the engine has stopped")
+            raise not_ready("the engine has stopped", self.admission.retry_after_unavailable())
         self.admission.admit(self.engine, job_sizes(jobs))
 
     def refuse_early(self, req: Any) -> None:

@@ -201,6 +201,7 @@ def _gpt_oss_shape(config: PretrainedConfig) -> DecoderShape:
         shape,
         moe=moe,
         attention_sinks=True,
+        norm_late_round=True,  # GptOssRMSNorm: times the weight in float32, then rounded
         sliding_window=window,
         layer_types=tuple(config.layer_types),
     )

@@ -27,6 +27,7 @@ _RENAMED = {
     "speculative_method": "method",
     "speculative_disable_batch_size": "disable_by_batch_size",
     "speculative_adaptive": "adaptive",
+    "speculative_tree_width": "tree_width",
 }
 _ENGINE_FIELDS = {f.name: f for f in fields(EngineConfig)}
 _SPEC_FIELDS = {f.name: f for f in fields(SpeculativeConfig)}
@@ -72,6 +73,12 @@ class Settings(BaseSettings):
         ge=0,
         le=64,
         description="k: draft tokens per step",
+    )
+    speculative_tree_width: int = Field(
+        default=engine_default("speculative_tree_width"),
+        ge=1,
+        le=8,
+        description="branches per level of a draft tree (n-gram, eagle3); 1: chains",
     )
     ngram_min: int = Field(
         default=engine_default("ngram_min"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,11 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(
         tmp_path_factory.mktemp("tiny_draft"), family="qwen2", seed=1, num_layers=1
     )
+
+
+@pytest.fixture(scope="module")
+def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A module's own SPECSERVE_CACHE, for the files its loads convert."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield

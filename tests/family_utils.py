@@ -54,6 +54,16 @@ def max_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return (ours - ref).abs().max().item()
 
 
+def assert_logits_match_transformers(model_dir: Path, atol: float = 1e-4) -> None:
+    """Three prompts through prompt chunks, a verify query and decodes (`runner_logits`), each
+    within `atol` of transformers' float32 logits."""
+    loaded = load_model(str(model_dir))
+    for seed, n in ((1, 40), (2, 13), (3, 33)):
+        ids = prompt_ids(n, seed)
+        diff = max_diff(runner_logits(loaded, ids), hf_logits(model_dir, ids))
+        assert diff < atol, f"max abs diff {diff}"
+
+
 def assert_bf16_as_accurate_as_transformers(model_dir: Path) -> None:
     """In bfloat16 our error against transformers' float32 logits is no worse than transformers'
     own bfloat16 error: each constant rounds where transformers rounds it."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
+from safetensors.torch import load_file, save_file
 from tiny import _gguf_hparams, _gguf_tokenizer
 
 _SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # f16 d (and dmin) per block
@@ -26,6 +28,37 @@ def random_blocks(
         d = np.full(shape, scale) if scale is not None else rng.uniform(low, 20 * low, shape)
         raw[:, :, offset : offset + 2] = d.astype(np.float16).view(np.uint8).reshape(*shape, 2)
     return torch.from_numpy(raw.reshape(n, -1))
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    """The header, the metadata and the tensors out; the file closed."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def save_reference(src: Path, out: Path, tensors: dict[str, np.ndarray]) -> Path:
+    """A model folder at `out`: `src`'s config and tokenizer files, `tensors` its weights (the
+    GGUF's values as gguf's own reader dequantizes them, under transformers' names)."""
+    out.mkdir(exist_ok=True)
+    for file in src.iterdir():
+        if file.suffix != ".safetensors":
+            (out / file.name).write_bytes(file.read_bytes())
+    weights = {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in tensors.items()}
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+def rounded_reference(ref: Path, keep: Callable[[str], bool] = lambda name: False) -> Path:
+    """`ref` beside itself with its weights rounded to bfloat16 as `quantization: none`'s
+    conversion stores them (those `keep` names left in float32)."""
+    out = ref.with_name(f"{ref.name}-bf16")
+    if not out.exists():
+        tensors = load_file(str(ref / "model.safetensors"))
+        rounded = {n: t if keep(n) else t.bfloat16().float() for n, t in tensors.items()}
+        save_reference(ref, out, {n: t.numpy() for n, t in rounded.items()})
+    return out
 
 
 def write_random_gguf(path: Path, src: Path, kinds: list[T]) -> None:
@@ -50,10 +83,7 @@ def write_random_gguf(path: Path, src: Path, kinds: list[T]) -> None:
             writer.add_tensor(f"{names.get_name(base)}.{suffix}", blocks, raw_dtype=kind)
         else:
             writer.add_tensor(f"{names.get_name(base)}.{suffix}", array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def write_gemma3_gguf(path: Path, src: Path, kind: T) -> None:
@@ -85,10 +115,7 @@ def write_gemma3_gguf(path: Path, src: Path, kind: T) -> None:
             writer.add_tensor(target, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(target, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def gemma3_reference(path: Path, src: Path, out: Path, bf16: bool = False) -> Path:

@@ -63,13 +63,7 @@ FAMILIES: dict[str, dict[str, object]] = {
 }
 ATOL = 1e-4
 needs_kernels = pytest.mark.skipif(not gguf_ops.available(), reason="native kernels not built")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cache(tmp_path_factory: pytest.TempPathFactory) -> object:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("private_cache")  # converted files in this module's own cache
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

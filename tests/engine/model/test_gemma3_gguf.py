@@ -43,19 +43,12 @@ needs_kernels = pytest.mark.skipif(not gguf_ops.available(), reason="native kern
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> object:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
-
-
-@pytest.fixture(scope="module")
 def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("gemma3-src"), seed=3, **GEMMA3)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module", params=[T.F32, T.Q8_0], ids=["F32", "Q8_0"])
-def gguf_file(request: pytest.FixtureRequest, src: Path, cache: object) -> Path:
+def gguf_file(request: pytest.FixtureRequest, src: Path, private_cache: None) -> Path:
     path = src.parent / f"gemma3-{request.param.name}.gguf"
     if not path.exists():
         write_gemma3_gguf(path, src, request.param)

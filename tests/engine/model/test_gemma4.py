@@ -15,6 +15,7 @@ import torch
 from family_utils import (
     assert_bf16_as_accurate_as_transformers,
     assert_greedy_equals_transformers,
+    assert_logits_match_transformers,
     hf_logits,
     max_diff,
     prompt_ids,
@@ -87,11 +88,7 @@ def test_gemma4_switches_and_its_global_layers_own_sizes(gemma4_dir: Path) -> No
 
 def test_logits_match_transformers(gemma4_dir: Path) -> None:
     """Prompts past the window, through prompt chunks, a verify query and single decodes."""
-    loaded = load_model(str(gemma4_dir))
-    for seed, n in ((1, 40), (2, 13), (3, 33)):
-        ids = prompt_ids(n, seed)
-        diff = max_diff(runner_logits(loaded, ids), hf_logits(gemma4_dir, ids))
-        assert diff < ATOL, f"max abs diff {diff}"
+    assert_logits_match_transformers(gemma4_dir, ATOL)
 
 
 def test_softcapping_matters(gemma4_dir: Path) -> None:

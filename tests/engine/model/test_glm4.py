@@ -13,6 +13,7 @@ import torch
 from family_utils import (
     assert_bf16_as_accurate_as_transformers,
     assert_greedy_equals_transformers,
+    assert_logits_match_transformers,
     hf_logits,
     max_diff,
     prompt_ids,
@@ -63,11 +64,7 @@ def test_interleaved_pairs_land_on_the_decoders_pairs() -> None:
 
 
 def test_logits_match_transformers(glm4_dir: Path) -> None:
-    loaded = load_model(str(glm4_dir))
-    for seed, n in ((1, 40), (2, 13), (3, 33)):
-        ids = prompt_ids(n, seed)
-        diff = max_diff(runner_logits(loaded, ids), hf_logits(glm4_dir, ids))
-        assert diff < ATOL, f"max abs diff {diff}"
+    assert_logits_match_transformers(glm4_dir, ATOL)
 
 
 def test_the_rotary_layout_matters(glm4_dir: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 from family_utils import (
     assert_bf16_as_accurate_as_transformers,
     assert_greedy_equals_transformers,
+    assert_logits_match_transformers,
     hf_logits,
     max_diff,
     prompt_ids,
@@ -74,11 +75,7 @@ def test_switches_follow_the_config(oss_dir: Path) -> None:
 
 def test_logits_match_transformers(oss_dir: Path) -> None:
     """Prompt chunks past the window, a verify query and decodes (family_utils.runner_logits)."""
-    loaded = load_model(str(oss_dir))
-    for seed, n in ((1, 40), (2, 13), (3, 33)):
-        ids = prompt_ids(n, seed)
-        diff = max_diff(runner_logits(loaded, ids), hf_logits(oss_dir, ids))
-        assert diff < ATOL, f"max abs diff {diff}"
+    assert_logits_match_transformers(oss_dir, ATOL)
 
 
 @pytest.mark.parametrize("change", ["no sinks", "no clamp", "no window"])

@@ -17,7 +17,8 @@ import pytest
 import torch
 from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
 from gguf import GGMLQuantizationType as T
-from safetensors.torch import load_file, save_file
+from gguf_blocks import finish, rounded_reference, save_reference
+from safetensors.torch import load_file
 from tiny import _gguf_hparams, _gguf_tokenizer, make_tiny_model
 
 from engine.config import SpeculativeConfig
@@ -110,27 +111,9 @@ def write_gpt_oss_gguf(path: Path, src: Path, kind: T) -> Path:
         ref[f"{e}.down_proj"] = values["down_proj"].transpose(0, 2, 1)
         ref[f"{e}.gate_up_proj_bias"] = gate_up_bias
         ref[f"{e}.down_proj_bias"] = tensors[f"{e}.down_proj_bias"].numpy()
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    out = path.with_name(f"{path.stem}-ref")
-    out.mkdir(exist_ok=True)
-    for file in src.iterdir():
-        if file.suffix != ".safetensors":
-            (out / file.name).write_bytes(file.read_bytes())
-    save_file(
-        {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in ref.items()},
-        str(out / "model.safetensors"),
-    )
+    finish(writer)
+    save_reference(src, path.with_name(f"{path.stem}-ref"), ref)
     return path
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> object:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +122,7 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module", params=[T.F32, T.MXFP4], ids=["F32", "MXFP4"])
-def gguf_file(request: pytest.FixtureRequest, src: Path, cache: object) -> Path:
+def gguf_file(request: pytest.FixtureRequest, src: Path, private_cache: None) -> Path:
     path = src.parent / f"gpt-oss-{request.param.name}.gguf"
     return path if path.exists() else write_gpt_oss_gguf(path, src, request.param)
 
@@ -147,19 +130,7 @@ def gguf_file(request: pytest.FixtureRequest, src: Path, cache: object) -> Path:
 def _ref(path: Path, bf16: bool = False) -> Path:
     """The dequantized reference; with `bf16` rounded as `none`'s conversion stores it."""
     ref = path.with_name(f"{path.stem}-ref")
-    if not bf16:
-        return ref
-    out = ref.with_name(f"{ref.name}-bf16")
-    if not out.exists():
-        out.mkdir()
-        for file in ref.iterdir():
-            if file.suffix != ".safetensors":
-                (out / file.name).write_bytes(file.read_bytes())
-        tensors = load_file(str(ref / "model.safetensors"))
-        save_file(
-            {n: t.bfloat16().float() for n, t in tensors.items()}, str(out / "model.safetensors")
-        )
-    return out
+    return rounded_reference(ref) if bf16 else ref
 
 
 def _logits(path: Path, quantization: str, ids: list[int]) -> torch.Tensor:

@@ -12,6 +12,7 @@ import pytest
 from family_utils import (
     assert_bf16_as_accurate_as_transformers,
     assert_greedy_equals_transformers,
+    assert_logits_match_transformers,
     hf_logits,
     max_diff,
     prompt_ids,
@@ -57,11 +58,7 @@ def test_logits_match_transformers(tied: bool, granite_dir: Path, tmp_path: Path
     model_dir = granite_dir
     if tied:  # the tied head divides by logits_scaling too
         model_dir = make_tiny_model(tmp_path / "tied", seed=3, **GRANITE, tie_word_embeddings=True)  # type: ignore[arg-type]
-    loaded = load_model(str(model_dir))
-    for seed, n in ((1, 40), (2, 13), (3, 33)):
-        ids = prompt_ids(n, seed)
-        diff = max_diff(runner_logits(loaded, ids), hf_logits(model_dir, ids))
-        assert diff < ATOL, f"max abs diff {diff}"
+    assert_logits_match_transformers(model_dir, ATOL)
 
 
 @pytest.mark.parametrize("name", sorted(MULTIPLIERS))

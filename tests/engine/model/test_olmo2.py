@@ -10,10 +10,7 @@ import pytest
 from family_utils import (
     assert_bf16_as_accurate_as_transformers,
     assert_greedy_equals_transformers,
-    hf_logits,
-    max_diff,
-    prompt_ids,
-    runner_logits,
+    assert_logits_match_transformers,
 )
 from tiny import CHAT_TEMPLATE, make_tiny_model
 from transformers import AutoConfig
@@ -55,11 +52,7 @@ def test_olmo2_is_the_decoder_with_post_norms_only(olmo2_dir: Path) -> None:
 
 
 def test_logits_match_transformers(olmo2_dir: Path) -> None:
-    loaded = load_model(str(olmo2_dir))
-    for seed, n in ((1, 40), (2, 13), (3, 33)):
-        ids = prompt_ids(n, seed)
-        diff = max_diff(runner_logits(loaded, ids), hf_logits(olmo2_dir, ids))
-        assert diff < ATOL, f"max abs diff {diff}"
+    assert_logits_match_transformers(olmo2_dir, ATOL)
 
 
 def test_bfloat16_as_accurate_as_transformers(olmo2_dir: Path) -> None:

@@ -14,6 +14,7 @@ import torch
 from engine_utils import chi_square_pvalue, hf_model, make_engine, random_prompts
 from family_utils import (
     assert_greedy_equals_transformers,
+    assert_logits_match_transformers,
     hf_logits,
     max_diff,
     prompt_ids,
@@ -68,11 +69,7 @@ def test_logits_match_transformers(norm_topk_prob: bool, tmp_path: Path) -> None
         seed=2,
         **QWEN3_MOE | dict(norm_topk_prob=norm_topk_prob, tie_word_embeddings=False),  # type: ignore[arg-type]
     )
-    loaded = load_model(str(model_dir))
-    for seed, n in ((1, 40), (2, 13), (3, 33)):
-        ids = prompt_ids(n, seed)
-        diff = max_diff(runner_logits(loaded, ids), hf_logits(model_dir, ids))
-        assert diff < ATOL, f"max abs diff {diff}"
+    assert_logits_match_transformers(model_dir, ATOL)
 
 
 def test_norm_topk_prob_matters(moe_dir: Path) -> None:

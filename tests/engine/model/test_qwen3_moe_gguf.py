@@ -15,7 +15,8 @@ import pytest
 import torch
 from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
 from gguf import GGMLQuantizationType as T
-from safetensors.torch import load_file, save_file
+from gguf_blocks import finish, rounded_reference, save_reference
+from safetensors.torch import load_file
 from tiny import _gguf_hparams, _gguf_tokenizer, make_tiny_model
 
 from engine.config import SpeculativeConfig
@@ -79,27 +80,9 @@ def write_qwen3_moe_gguf(path: Path, src: Path, kind: T) -> Path:
             ref |= {n: values[e] for e, n in enumerate(hf)}
             target = names.get_name(f"model.layers.{i}.mlp.experts.{part}")
             writer.add_tensor(f"{target}.weight", data, raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    out = path.with_name(f"{path.stem}-ref")
-    out.mkdir(exist_ok=True)
-    for file in src.iterdir():
-        if file.suffix != ".safetensors":
-            (out / file.name).write_bytes(file.read_bytes())
-    save_file(
-        {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in ref.items()},
-        str(out / "model.safetensors"),
-    )
+    finish(writer)
+    save_reference(src, path.with_name(f"{path.stem}-ref"), ref)
     return path
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> object:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +91,7 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module", params=[T.F32, T.Q8_0], ids=["F32", "Q8_0"])
-def gguf_file(request: pytest.FixtureRequest, src: Path, cache: object) -> Path:
+def gguf_file(request: pytest.FixtureRequest, src: Path, private_cache: None) -> Path:
     path = src.parent / f"qwen3moe-{request.param.name}.gguf"
     return path if path.exists() else write_qwen3_moe_gguf(path, src, request.param)
 
@@ -117,20 +100,7 @@ def _ref(path: Path, bf16: bool = False) -> Path:
     """The dequantized reference; with `bf16` rounded as `none`'s conversion by transformers'
     reader stores it: bfloat16, but the stacked experts kept in float32."""
     ref = path.with_name(f"{path.stem}-ref")
-    if not bf16:
-        return ref
-    out = ref.with_name(f"{ref.name}-bf16")
-    if not out.exists():
-        out.mkdir()
-        for file in ref.iterdir():
-            if file.suffix != ".safetensors":
-                (out / file.name).write_bytes(file.read_bytes())
-        rounded = {
-            n: t if ".experts." in n else t.bfloat16().float()
-            for n, t in load_file(str(ref / "model.safetensors")).items()
-        }
-        save_file(rounded, str(out / "model.safetensors"))
-    return out
+    return rounded_reference(ref, lambda name: ".experts." in name) if bf16 else ref
 
 
 def _ids(n: int, seed: int) -> list[int]:

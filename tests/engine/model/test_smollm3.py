@@ -12,6 +12,7 @@ import pytest
 from family_utils import (
     assert_bf16_as_accurate_as_transformers,
     assert_greedy_equals_transformers,
+    assert_logits_match_transformers,
     hf_logits,
     max_diff,
     prompt_ids,
@@ -58,11 +59,7 @@ def test_logits_match_transformers(
     if no_rope_layers is not None:
         config = SMOLLM3 | dict(no_rope_layers=no_rope_layers)
         model_dir = make_tiny_model(tmp_path / "listed", seed=3, **config)  # type: ignore[arg-type]
-    loaded = load_model(str(model_dir))
-    for seed, n in ((1, 40), (2, 13), (3, 33)):
-        ids = prompt_ids(n, seed)
-        diff = max_diff(runner_logits(loaded, ids), hf_logits(model_dir, ids))
-        assert diff < ATOL, f"max abs diff {diff}"
+    assert_logits_match_transformers(model_dir, ATOL)
 
 
 @pytest.mark.parametrize("uses_rope", [[1, 1, 1, 1], [1, 1, 1, 0], [0, 1, 0, 1]])

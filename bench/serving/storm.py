@@ -215,6 +215,7 @@ def serve(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen[by
         "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning", *args.serve_args,
     ]  # fmt: skip
     print(f"storm: {' '.join(cmd)}", file=sys.stderr)
+    log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
     wait_healthy(f"http://127.0.0.1:{port}/health", proc, log, 1800.0)
@@ -379,7 +380,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--log", default="storm-server.log")
+    p.add_argument(
+        "--log", default="bench-out/storm-server.log", help="the server's log (ignored by git)"
+    )
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("serve_args", nargs="*", help="more `specserve serve` flags, after --")
     args = p.parse_args(argv)

@@ -38,6 +38,22 @@ def runner_logits(
     return torch.cat(outs)
 
 
+def file_logits(
+    path: Path, quantization: str, ids: list[int]
+) -> tuple[ModelRunner, torch.Tensor]:  # the runner, [len(ids), vocab_size]
+    """A model file's logits: a prompt chunk (past a window, for long `ids`), then a 3-token
+    verify query and a decode, through shuffled blocks."""
+    runner = ModelRunner(load_model(str(path), quantization), "cpu", "float32", 4)  # type: ignore[arg-type]
+    runner.allocate_kv_cache(32)
+    table = list(range(31, -1, -1))
+    cuts = [0, len(ids) - 4, len(ids) - 1, len(ids)]
+    outs = [
+        runner.forward([ForwardInput(ids[a:b], a, table, b - a)])
+        for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
+    return runner, torch.cat(outs)
+
+
 @torch.no_grad()
 def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab_size]
     return hf_model(model_dir)(torch.tensor([ids])).logits[0].float()

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
+from engine_utils import greedy, hf_greedy, make_engine, outputs, random_prompts
+from family_utils import file_logits, hf_logits, prompt_ids
 from gguf import GGMLQuantizationType as T
 from gguf_blocks import gemma3_reference, write_gemma3_gguf
 from tiny import make_tiny_model
@@ -19,7 +20,6 @@ from engine.kernels import gguf_ops
 from engine.model.gguf_config import _global_rope, _layer_types
 from engine.model.loader import load_model
 from engine.model.quant import native
-from engine.model.runner import ForwardInput, ModelRunner
 
 WINDOW = 8
 # llama.cpp's Gemma 3: every sixth layer global; local layers at theta 10,000, unscaled; the
@@ -60,28 +60,6 @@ def _reference(path: Path, src: Path, bf16: bool) -> Path:
     return out if out.exists() else gemma3_reference(path, src, out, bf16)
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return random_prompts(1, (n, n), 300, seed)[0]
-
-
-def _logits(path: Path, quantization: str, ids: list[int]) -> tuple[ModelRunner, torch.Tensor]:
-    """A prompt chunk past the window, then a 3-token verify query and a decode."""
-    runner = ModelRunner(load_model(str(path), quantization), "cpu", "float32", 4)  # type: ignore[arg-type]
-    runner.allocate_kv_cache(32)
-    table = list(range(31, -1, -1))
-    cuts = [0, len(ids) - 4, len(ids) - 1, len(ids)]
-    outs = [
-        runner.forward([ForwardInput(ids[a:b], a, table, b - a)])
-        for a, b in zip(cuts, cuts[1:], strict=False)
-    ]
-    return runner, torch.cat(outs)
-
-
-@torch.no_grad()
-def _want(ref: Path, ids: list[int]) -> torch.Tensor:
-    return hf_model(ref)(torch.tensor([ids])).logits[0].float()
-
-
 def _dense(quantization: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every GGUF matrix multiplied dense (its blocks dequantized exactly, float32 GEMM) rather
     than by the native kernel, which rounds activations to int8 (that path: its own test)."""
@@ -113,11 +91,11 @@ def test_logits_match_transformers_on_the_dequantized_weights(
     """`none`: the bfloat16 conversion, against those weights rounded so; `gguf`: the file's own
     blocks (Q8_0) or floats (F32), against them dequantized."""
     _dense(quantization, monkeypatch)
-    ids = _ids(30, seed=1)
-    runner, ours = _logits(gguf_file, quantization, ids)
+    ids = prompt_ids(30, seed=1)
+    runner, ours = file_logits(gguf_file, quantization, ids)
     if quantization == "gguf" and "Q8_0" in gguf_file.name:
         assert "Q8_0" in runner.weights.label
-    want = _want(_reference(gguf_file, src, bf16=quantization == "none"), ids)
+    want = hf_logits(_reference(gguf_file, src, bf16=quantization == "none"), ids)
     assert (ours - want).abs().max().item() < ATOL
 
 
@@ -131,9 +109,9 @@ def test_native_kernels_within_activation_rounding(
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "q8.gguf"
     write_gemma3_gguf(path, src, T.Q8_0)
-    ids = _ids(30, seed=2)
-    _, ours = _logits(path, "gguf", ids)
-    want = _want(_reference(path, src, bf16=False), ids)
+    ids = prompt_ids(30, seed=2)
+    _, ours = file_logits(path, "gguf", ids)
+    want = hf_logits(_reference(path, src, bf16=False), ids)
     error = ((ours - want).norm() / want.norm()).item()
     assert 0 < error < 0.05, error
 

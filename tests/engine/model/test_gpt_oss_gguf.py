@@ -14,8 +14,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
-from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
+from engine_utils import greedy, hf_greedy, make_engine, outputs, random_prompts
+from family_utils import file_logits, hf_logits, prompt_ids
 from gguf import GGMLQuantizationType as T
 from gguf_blocks import finish, rounded_reference, save_reference
 from safetensors.torch import load_file
@@ -23,7 +23,6 @@ from tiny import _gguf_hparams, _gguf_tokenizer, make_tiny_model
 
 from engine.config import SpeculativeConfig
 from engine.model.loader import load_model
-from engine.model.runner import ForwardInput, ModelRunner
 
 ROPE = {
     "rope_type": "yarn",
@@ -133,24 +132,6 @@ def _ref(path: Path, bf16: bool = False) -> Path:
     return rounded_reference(ref) if bf16 else ref
 
 
-def _logits(path: Path, quantization: str, ids: list[int]) -> torch.Tensor:
-    """A prompt chunk past the window, then a 3-token verify query and a decode."""
-    runner = ModelRunner(load_model(str(path), quantization), "cpu", "float32", 4)  # type: ignore[arg-type]
-    runner.allocate_kv_cache(32)
-    table = list(range(31, -1, -1))
-    cuts = [0, len(ids) - 4, len(ids) - 1, len(ids)]
-    outs = [
-        runner.forward([ForwardInput(ids[a:b], a, table, b - a)])
-        for a, b in zip(cuts, cuts[1:], strict=False)
-    ]
-    return torch.cat(outs)
-
-
-@torch.no_grad()
-def _want(ref: Path, ids: list[int]) -> torch.Tensor:
-    return hf_model(ref)(torch.tensor([ids])).logits[0].float()
-
-
 def test_config_is_read_as_llama_cpp_reads_it(gguf_file: Path, src: Path) -> None:
     config = load_model(str(gguf_file), "none").hf_config
     want = json.loads((src / "config.json").read_text())
@@ -165,9 +146,9 @@ def test_config_is_read_as_llama_cpp_reads_it(gguf_file: Path, src: Path) -> Non
 def test_logits_match_transformers_on_the_dequantized_weights(
     quantization: str, gguf_file: Path
 ) -> None:
-    ids = random_prompts(1, (30, 30), 300, seed=1)[0]
-    ours = _logits(gguf_file, quantization, ids)
-    want = _want(_ref(gguf_file, bf16=quantization == "none"), ids)
+    ids = prompt_ids(30, seed=1)
+    _, ours = file_logits(gguf_file, quantization, ids)
+    want = hf_logits(_ref(gguf_file, bf16=quantization == "none"), ids)
     int8_rows = quantization == "gguf" and gguf_file.name.endswith("MXFP4.gguf")
     diff = (ours - want).abs().max().item()
     if int8_rows:  # MXFP4 values rounded again to int8 per row: close, not exact

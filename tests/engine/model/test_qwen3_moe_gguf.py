@@ -13,7 +13,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from engine_utils import greedy, hf_greedy, hf_model, make_engine, outputs, random_prompts
+from engine_utils import greedy, hf_greedy, make_engine, outputs, random_prompts
+from family_utils import file_logits, hf_logits, prompt_ids
 from gguf import GGMLQuantizationType as T
 from gguf_blocks import finish, rounded_reference, save_reference
 from safetensors.torch import load_file
@@ -25,7 +26,7 @@ from engine.model.loader import load_model
 from engine.model.moe import MoE
 from engine.model.quant import native
 from engine.model.quant.linear import QuantLinear
-from engine.model.runner import ForwardInput, ModelRunner
+from engine.model.runner import ModelRunner
 
 QWEN3_MOE = dict(
     family="qwen3_moe",
@@ -103,28 +104,6 @@ def _ref(path: Path, bf16: bool = False) -> Path:
     return rounded_reference(ref, lambda name: ".experts." in name) if bf16 else ref
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return random_prompts(1, (n, n), 300, seed)[0]
-
-
-def _logits(path: Path, quantization: str, ids: list[int]) -> tuple[ModelRunner, torch.Tensor]:
-    """A prompt chunk, then a 3-token verify query and a decode."""
-    runner = ModelRunner(load_model(str(path), quantization), "cpu", "float32", 4)  # type: ignore[arg-type]
-    runner.allocate_kv_cache(32)
-    table = list(range(31, -1, -1))
-    cuts = [0, len(ids) - 4, len(ids) - 1, len(ids)]
-    outs = [
-        runner.forward([ForwardInput(ids[a:b], a, table, b - a)])
-        for a, b in zip(cuts, cuts[1:], strict=False)
-    ]
-    return runner, torch.cat(outs)
-
-
-@torch.no_grad()
-def _want(ref: Path, ids: list[int]) -> torch.Tensor:
-    return hf_model(ref)(torch.tensor([ids])).logits[0].float()
-
-
 def _dense(quantization: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every GGUF matrix multiplied dense (its blocks dequantized exactly, float32 GEMM) rather
     than by the native kernel, which rounds activations to int8 (that path: its own tests)."""
@@ -147,12 +126,12 @@ def test_logits_match_transformers_on_the_dequantized_weights(
     if quantization == "gguf" and not gguf_ops.available():
         pytest.skip("native kernels not built")
     _dense(quantization, monkeypatch)
-    ids = _ids(30, seed=1)
-    runner, ours = _logits(gguf_file, quantization, ids)
+    ids = prompt_ids(30, seed=1)
+    runner, ours = file_logits(gguf_file, quantization, ids)
     if quantization == "gguf" and gguf_file.name.endswith("Q8_0.gguf"):
         expert = runner.model.layers[0].mlp.experts[3].gate_up_proj  # type: ignore[union-attr,index]
         assert isinstance(expert, QuantLinear) and expert.formats == ["Q8_0"]
-    want = _want(_ref(gguf_file, bf16=quantization == "none"), ids)
+    want = hf_logits(_ref(gguf_file, bf16=quantization == "none"), ids)
     assert (ours - want).abs().max().item() < ATOL
 
 

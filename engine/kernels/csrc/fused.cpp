@@ -109,22 +109,9 @@ SPECSERVE_VARIANT(scalar, )
 SPECSERVE_VARIANT(avx2, __attribute__((target("avx2"))))
 SPECSERVE_VARIANT(avx512, __attribute__((target("avx512f,avx512bw"))))
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
+using Isa = cpu::RowIsa;
 
-Isa pick(const std::string& name) {
-  const bool avx512 = cpu::avx512(), avx2 = cpu::avx2();
-  if (name == "scalar") return Isa::kScalar;
-  if (name == "avx2") {
-    TORCH_CHECK(avx2, "fused ops: this CPU has no AVX2");
-    return Isa::kAvx2;
-  }
-  if (name == "avx512") {
-    TORCH_CHECK(avx512, "fused ops: this CPU has no AVX512F/BW");
-    return Isa::kAvx512;
-  }
-  TORCH_CHECK(name == "auto", "fused ops: isa must be auto, scalar, avx2 or avx512");
-  return avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kScalar;
-}
+Isa pick(const std::string& name) { return cpu::pick_row_isa(name, "fused ops"); }
 
 // Rows in parallel, in chunks of at least kMinParallelValues values.
 template <typename Fn>

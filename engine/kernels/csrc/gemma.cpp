@@ -124,21 +124,9 @@ SPECSERVE_GEMMA_VARIANT(scalar, )
 SPECSERVE_GEMMA_VARIANT(avx2, __attribute__((target("avx2"))))
 SPECSERVE_GEMMA_VARIANT(avx512, __attribute__((target("avx512f,avx512bw"))))
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
+using Isa = cpu::RowIsa;
 
-Isa pick(const std::string& name) {
-  if (name == "scalar") return Isa::kScalar;
-  if (name == "avx2") {
-    TORCH_CHECK(cpu::avx2(), "gemma ops: this CPU has no AVX2");
-    return Isa::kAvx2;
-  }
-  if (name == "avx512") {
-    TORCH_CHECK(cpu::avx512(), "gemma ops: this CPU has no AVX512F/BW");
-    return Isa::kAvx512;
-  }
-  TORCH_CHECK(name == "auto", "gemma ops: isa must be auto, scalar, avx2 or avx512");
-  return cpu::avx512() ? Isa::kAvx512 : cpu::avx2() ? Isa::kAvx2 : Isa::kScalar;
-}
+Isa pick(const std::string& name) { return cpu::pick_row_isa(name, "gemma ops"); }
 
 template <typename Fn>
 void over_rows(int64_t rows, int64_t values_per_row, const Fn& fn) {

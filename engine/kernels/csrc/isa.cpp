@@ -67,6 +67,20 @@ bool supports(const std::string& tier) {
   return false;
 }
 
+RowIsa pick_row_isa(const std::string& name, const char* op) {
+  if (name == "scalar") return RowIsa::kScalar;
+  if (name == "avx2") {
+    TORCH_CHECK(avx2(), op, ": this CPU has no AVX2");
+    return RowIsa::kAvx2;
+  }
+  if (name == "avx512") {
+    TORCH_CHECK(avx512(), op, ": this CPU has no AVX512F/BW");
+    return RowIsa::kAvx512;
+  }
+  TORCH_CHECK(name == "auto", op, ": isa must be auto, scalar, avx2 or avx512");
+  return avx512() ? RowIsa::kAvx512 : avx2() ? RowIsa::kAvx2 : RowIsa::kScalar;
+}
+
 }  // namespace specserve::cpu
 
 TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {

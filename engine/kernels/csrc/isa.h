@@ -23,4 +23,10 @@ bool amx_bf16();
 // "amxbf16"): the op Python asks; false for any other name.
 bool supports(const std::string& tier);
 
+// The vector tier of the row-wise ops (fused.cpp, gemma.cpp): "auto" the best this CPU has;
+// "scalar", "avx2" or "avx512" as asked (the tests' variants), refused where the CPU lacks it.
+// `op` names the caller in the error.
+enum class RowIsa { kScalar, kAvx2, kAvx512 };
+RowIsa pick_row_isa(const std::string& name, const char* op);
+
 }  // namespace specserve::cpu

@@ -39,7 +39,9 @@ GEMMA3 = dict(
     },
 )
 ISAS = ["scalar"] + [
-    isa for isa in ("avx2", "avx512") if torch.ops.specserve_kernels.cpu_supports(isa)
+    isa
+    for isa in ("avx2", "avx512")
+    if gemma_ops.loaded() and torch.ops.specserve_kernels.cpu_supports(isa)
 ]
 
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-SpecMethod = Literal["none", "draft", "ngram", "hybrid", "eagle3", "mtp"]
+SpecMethod = Literal["none", "draft", "ngram", "hybrid", "eagle3", "hybrid-eagle3", "mtp"]
 # The proposers each method runs: hybrid takes an n-gram match where there is one, else the draft;
-# eagle3 an EAGLE-3 head (draft_model: its folder) reading the target's hidden states; mtp the
-# target's own multi-token-prediction layer (Qwen3.5's, from its checkpoint).
+# eagle3 an EAGLE-3 head (draft_model: its folder) reading the target's hidden states, and
+# hybrid-eagle3 an n-gram match where there is one, else the head; mtp the target's own
+# multi-token-prediction layer (Qwen3.5's, from its checkpoint).
 PROPOSERS: dict[str, tuple[str, ...]] = {
     "none": (),
     "draft": ("draft",),
     "ngram": ("ngram",),
     "hybrid": ("ngram", "draft"),
     "eagle3": ("eagle3",),
+    "hybrid-eagle3": ("ngram", "eagle3"),
     "mtp": ("mtp",),
 }
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -58,7 +60,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:
             raise ValueError(
-                "speculative method must be none, draft, ngram, hybrid, eagle3 or mtp, "
+                "speculative method must be none, draft, ngram, hybrid, eagle3, hybrid-eagle3 or mtp, "
                 f"not {self.method!r}"
             )
         if self.num_speculative_tokens < 0:
@@ -117,7 +119,7 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        if self.tensor_parallel_size > 1 and self.speculative.method in ("eagle3", "mtp"):
+        if self.tensor_parallel_size > 1 and {"eagle3", "mtp"} & set(self.speculative.proposers):
             raise ValueError(f"{self.speculative.method} does not run with tensor parallelism yet")
         if self.tensor_parallel_size > 1 and self.speculative.draft_model == self.model:
             raise ValueError("with tensor parallelism the draft must be a different model")

@@ -119,7 +119,7 @@ def serve(settings: Settings) -> int:
             logger.info(
                 "speculation: %s, draft model %s", settings.speculative_method, settings.draft_model
             )
-        if settings.speculative_method in ("ngram", "hybrid"):
+        if settings.speculative_method in ("ngram", "hybrid", "hybrid-eagle3"):
             logger.info(
                 "speculation: n-gram proposer, n in [%d, %d]",
                 settings.ngram_min,

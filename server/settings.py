@@ -19,7 +19,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from engine.config import EngineConfig, Quantization, SpeculativeConfig
+from engine.config import PROPOSERS, EngineConfig, Quantization, SpecMethod, SpeculativeConfig
 
 # Engine settings renamed at the edge (settings key -> SpeculativeConfig field); every other engine
 # setting has its field's own name. Engine fields with no key here: tokenizer, num_kv_blocks, seed.
@@ -61,11 +61,12 @@ class Settings(BaseSettings):
         description="draft model for --speculative-method draft",
     )
     served_model_name: str | None = Field(default=None, description="model name clients use")
-    speculative_method: Literal["none", "draft", "ngram", "hybrid", "eagle3", "mtp"] = Field(
+    speculative_method: SpecMethod = Field(
         default=engine_default("speculative_method"),
         description="speculation: none, draft (a small model), ngram (prompt lookup), "
         "hybrid (an n-gram match where there is one, else the draft model), "
         "eagle3 (an EAGLE-3 head, draft_model its folder, reading the target's hidden states), "
+        "hybrid-eagle3 (an n-gram match where there is one, else the EAGLE-3 head), "
         "mtp (the target's own multi-token-prediction layer: Qwen3.5)",
     )
     num_speculative_tokens: int = Field(
@@ -227,7 +228,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
-        if self.speculative_method in ("draft", "hybrid", "eagle3") and not self.draft_model:
+        if {"draft", "eagle3"} & set(PROPOSERS[self.speculative_method]) and not self.draft_model:
             raise ValueError(
                 f"draft_model: required when speculative_method is {self.speculative_method}"
             )

@@ -1,12 +1,18 @@
 """The data an EAGLE-3 head trains on: text this machine has offline, tokenized with the target's
 tokenizer, and the target's own features over it, teacher-forced.
 
-Text: Python sources of the installed packages (code) and the repo's docs (prose), files drawn in
-a seeded order and interleaved source by source. Features come from transformers running the
-target (a GGUF through the repo's converter, `load_model(..., "none")`): at each position the
-streams entering the head's three aux layers (vLLM's ids: j is the stream entering layer j, the
-number of layers the last layer's output before the final norm) and the target's greedy next
-token, which is what a drafted token must equal to be accepted.
+Text of two kinds, packed into one stream of fixed-length chunks:
+- the target's own answers: prompts of the bench's categories (HumanEval, MT-Bench, the evals
+  registry's qa and math), the held-out ones left out, answered greedily by the engine itself.
+  This is what a head drafts at serving time: the target's text after its chat template;
+- Python sources of the installed packages (code) and the repo's docs (prose), files drawn in a
+  seeded order and interleaved source by source.
+
+Features come from the engine's own forward (`native_features`: the kernels the target serves
+on), teacher-forced: at each position the streams entering the head's three aux layers (vLLM's
+ids: j is the stream entering layer j, the number of layers the last layer's output before the
+final norm) and the target's greedy next token, which is what a drafted token must equal to be
+accepted. `extract_features` does the same through transformers, the reference.
 """
 
 from __future__ import annotations
@@ -14,13 +20,15 @@ from __future__ import annotations
 import random
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from engine.model.runner import ForwardInput, ModelRunner
 
 MAX_FILE_BYTES = 64_000  # bigger files are mostly data tables, not code anyone writes by hand
 REPO = Path(__file__).resolve().parents[1]
@@ -59,10 +67,11 @@ def token_chunks(
     seq_len: int,
     max_tokens: int,
     per_file: int,  # at most this many tokens of one file, so no file dominates
+    first: Sequence[list[int]] = (),  # token sequences that go first (the answers)
 ) -> tuple[torch.Tensor, list[str]]:  # [num_chunks, seq_len] long, the files used
-    stream: list[int] = []
-    used: list[str] = []
     eos = tokenizer.eos_token_id
+    stream = [t for seq in first for t in [*seq, eos]]
+    used: list[str] = []
     for path, text in texts:
         if len(stream) >= max_tokens:
             break
@@ -72,6 +81,66 @@ def token_chunks(
     if num == 0:
         raise ValueError(f"only {len(stream)} tokens of text, fewer than one chunk of {seq_len}")
     return torch.tensor(stream[: num * seq_len]).view(num, seq_len), used
+
+
+# The bench's held-out prompts: every `--num-prompts N` (N <= HELD_OUT) sample with seed 0 of a
+# category is among the first HELD_OUT of `sample_prompts(..., HELD_OUT, 0)` (random.sample's
+# picks do not depend on the count there), so no benchmark prompt is ever trained on.
+HELD_OUT = 21
+ANSWER_CATEGORIES = ("code", "chat", "math")  # short prompts: the answers are the point
+
+
+def training_prompts(count: int, seed: int) -> list[Any]:  # bench.serving.datasets.Prompt
+    """`count` prompts for the target to answer: the categories' prompts less the held-out ones,
+    taken category by category in turn."""
+    from bench.serving.datasets import load_builtin, sample_prompts
+
+    queues = []
+    for category in ANSWER_CATEGORIES:
+        prompts = load_builtin(category)
+        held = {p.prompt_id for p in sample_prompts(prompts, HELD_OUT, 0)}
+        rest = [p for p in prompts if p.prompt_id not in held]
+        random.Random(seed).shuffle(rest)
+        queues.append(rest)
+    picked: list[Any] = []
+    while len(picked) < count and any(queues):
+        picked += [q.pop() for q in queues if q][: count - len(picked)]
+    return picked
+
+
+def prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    """A bench prompt as the server tokenizes it: raw for completions, else the chat template."""
+    if prompt.prompt is not None:
+        return list(tokenizer.encode(prompt.prompt))
+    text = tokenizer.apply_chat_template(
+        prompt.message_dicts(), add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(str(text), add_special_tokens=False))
+
+
+def target_answers(
+    engine: Any,  # engine.core.llm_engine.LLMEngine of the target
+    prompts: list[Any],
+    max_tokens: int,
+    batch: int = 16,
+) -> list[list[int]]:  # each prompt's ids followed by the target's greedy answer
+    """The target's own greedy answers, `batch` prompts at a time, with progress."""
+    from engine.sample.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    done: list[list[int]] = []
+    started = time.monotonic()
+    for start in range(0, len(prompts), batch):
+        ids = [prompt_ids(engine.tokenizer, p) for p in prompts[start : start + batch]]
+        for prompt, seq in zip(ids, engine.generate(ids, params), strict=True):
+            done.append(prompt + list(seq.output_token_ids))
+        answered = sum(len(d) for d in done)
+        print(
+            f"answers: {len(done)}/{len(prompts)} prompts, {answered} tokens "
+            f"({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
+    return done
 
 
 @dataclass(frozen=True)
@@ -133,6 +202,28 @@ def extract_features(
         for h in handles:
             h.remove()
     return Features(chunks, torch.cat(aux), torch.cat(greedy))
+
+
+@torch.no_grad()
+def native_features(
+    runner: ModelRunner,  # the target on the engine's kernels, aux layers kept, a KV pool
+    chunks: torch.Tensor,  # [N, T]
+    log_every_s: float = 30.0,
+) -> Features:
+    """`extract_features` on the serving path: one prefill a chunk over the same KV blocks,
+    every position's logits for the greedy picks."""
+    n, t = chunks.shape
+    table = list(range(-(-t // runner.block_size)))
+    aux, greedy, last, started = [], [], time.monotonic(), time.monotonic()
+    for i in range(n):
+        logits = runner.forward([ForwardInput(chunks[i].tolist(), 0, table, t)])  # [T, vocab]
+        greedy.append(logits.argmax(-1))
+        aux.append(runner.aux_hidden(table, 0, t).to(torch.bfloat16))  # [T, 3 * hidden]
+        if time.monotonic() - last > log_every_s:
+            rate = (i + 1) * t / (time.monotonic() - started)
+            print(f"features: {i + 1}/{n} chunks ({rate:.0f} tokens/s)", flush=True)
+            last = time.monotonic()
+    return Features(chunks, torch.stack(aux), torch.stack(greedy))
 
 
 def draft_vocabulary(

@@ -1,7 +1,7 @@
 """Train an EAGLE-3 head for a target and write it in the public format (engine/model/eagle3.py).
 
     python -m tools.train_eagle3 --target bundled:qwen2.5-coder-1.5b-instruct --out heads/qwen \
-        --tokens 20000 --max-minutes 15
+        --answers 256 --tokens 150000 --max-minutes 40 --cache /tmp/qwen-features.pt
 
 The head is the module the engine serves (`Eagle3Head`), so what is trained is what loads: its
 state_dict is the format's names. Training follows EAGLE-3's training-time test in a simple form:
@@ -10,6 +10,12 @@ fused features h_i; each of `--ttt-steps` further steps feeds the head's own out
 position further, as drafting does, and is scored against the target's greedy token there. The
 loss is cross-entropy to that token over the draft vocabulary (positions whose token it lacks are
 skipped), step j weighted 0.8^j as EAGLE-3 does. Everything random follows `--seed`.
+
+The head's output side starts as the target's own (`--init-from-target`): its lm_head is the
+target's rows of the draft vocabulary and its final norm the target's, so training starts from
+the target's map of hidden states to tokens instead of learning one from a few hundred thousand
+tokens. The data (tools/eagle3_data.py) is the target's own answers to training prompts first,
+then offline code and docs; `--cache FILE` keeps the extracted features for a rerun.
 """
 
 from __future__ import annotations
@@ -19,25 +25,27 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoModelForCausalLM
 
+from engine.config import EngineConfig
 from engine.model.decoder import RMSNorm
 from engine.model.eagle3 import Eagle3Config, Eagle3Head
-from engine.model.loader import load_model
+from engine.model.loader import LoadedModel, load_model
 from engine.model.rope import Rotary, apply_rope
+from engine.model.runner import ModelRunner
 from tools.eagle3_data import (
     Features,
     default_sources,
     draft_vocabulary,
-    extract_features,
+    native_features,
     sample_texts,
+    target_answers,
     token_chunks,
+    training_prompts,
 )
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of the j-th unrolled step: later drafts matter less
@@ -63,6 +71,15 @@ class Recipe:
     aux_layers: tuple[int, ...] = ()  # (): vLLM's default (2, L // 2, L - 3)
     log_every: int = 10
     save_dtype: str = "bfloat16"
+    answers: int = 0  # training prompts the target answers first (tools/eagle3_data.py)
+    answer_tokens: int = 192  # the longest answer
+    answer_config: str = ""  # the engine that answers (a settings file); "": the target, plain
+    init_from_target: bool = True  # lm_head rows and final norm start as the target's
+    head_lr_scale: float = (
+        0.1  # the lm_head's learning rate, relative, when it starts as the target's
+    )
+    cache: str = ""  # a file for the extracted features: read if there, else written
+    dtype: str = "bfloat16"  # the target's activations while features are extracted
 
 
 @dataclass(frozen=True)
@@ -104,19 +121,46 @@ def _rope_theta(target: dict) -> float:
     )
 
 
-def new_head(config: Eagle3Config, embed: torch.Tensor, seed: int) -> Eagle3Head:
-    """A freshly initialised head over the target's (frozen) embedding, float32 for AdamW."""
-    torch.manual_seed(seed)
+def new_head(
+    config: Eagle3Config, target: TargetOutput, draft_ids: torch.Tensor, recipe: Recipe
+) -> Eagle3Head:
+    """A freshly initialised head over the target's (frozen) embedding, float32 for AdamW; its
+    lm_head and final norm the target's where `init_from_target`."""
+    torch.manual_seed(recipe.seed)
     rotary = Rotary(
         config.rope_config(config.raw["max_position_embeddings"]),
         config.head_dim,
         torch.device("cpu"),
     )
-    head = Eagle3Head(config, nn.Embedding.from_pretrained(embed), rotary, own_embed=False)
+    head = Eagle3Head(config, nn.Embedding.from_pretrained(target.embed), rotary, own_embed=False)
     for module in head.modules():
         if isinstance(module, RMSNorm):  # the norms start as the identity
             nn.init.ones_(module.weight)
+    if recipe.init_from_target:
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.lm_head[draft_ids])
+            head.norm.weight.copy_(target.norm)
     return head
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """The target's dense input and output weights, float32: what the head shares or starts as."""
+
+    embed: torch.Tensor  # [vocab, hidden]
+    lm_head: torch.Tensor  # [vocab, hidden] (the embedding where tied)
+    norm: torch.Tensor  # [hidden]: the final norm's weight
+
+    @classmethod
+    def read(cls, loaded: LoadedModel) -> TargetOutput:
+        wanted = ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
+        found: dict[str, torch.Tensor] = {}
+        for name, value in loaded.iter_weights():
+            if name in wanted:
+                assert isinstance(value, torch.Tensor), f"{name} is not a dense tensor"
+                found[name] = value.float()
+        embed = found["model.embed_tokens.weight"]
+        return cls(embed, found.get("lm_head.weight", embed), found["model.norm.weight"])
 
 
 def _attention(
@@ -198,7 +242,11 @@ def draft_labels(greedy: torch.Tensor, draft_ids: torch.Tensor, vocab: int) -> t
     return to_draft[greedy]
 
 
+EVAL_CHUNKS = 64  # the loss before and after training is over at most the first 64 chunks
+
+
 def evaluate(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Recipe) -> float:
+    num = min(data.tokens.shape[0], EVAL_CHUNKS)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         losses = [
             ttt_loss(
@@ -208,7 +256,7 @@ def evaluate(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Rec
                 labels[i : i + recipe.batch],
                 recipe.ttt_steps,
             ).item()
-            for i in range(0, data.tokens.shape[0], recipe.batch)
+            for i in range(0, num, recipe.batch)
         ]
     return sum(losses) / len(losses)
 
@@ -216,7 +264,13 @@ def evaluate(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Rec
 def train(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Recipe) -> Result:
     """AdamW over seeded batches of chunks until `steps` or the time budget, bf16 autocast."""
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
+    out = {id(head.lm_head.weight)}
+    scale = recipe.head_lr_scale if recipe.init_from_target else 1.0
+    groups = [
+        {"params": [p for p in params if id(p) not in out], "lr": recipe.lr},
+        {"params": [head.lm_head.weight], "lr": recipe.lr * scale},
+    ]
+    opt = torch.optim.AdamW(groups, lr=recipe.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))  # warm-up
     gen = torch.Generator().manual_seed(recipe.seed)
     first, losses, start = evaluate(head, data, labels, recipe), [], time.monotonic()
@@ -259,14 +313,27 @@ def save_head(head: Eagle3Head, folder: Path, draft_ids: torch.Tensor, dtype: to
     save_file(weights, str(folder / "model.safetensors"))
 
 
-def run(recipe: Recipe) -> tuple[Eagle3Head, Result]:
-    """Features, draft vocabulary, head, training, the folder: the whole job."""
-    torch.manual_seed(recipe.seed)
-    wall = time.monotonic()
-    loaded = load_model(recipe.target, "none")
-    target = loaded.hf_config.to_dict()
-    depth = target["num_hidden_layers"]
-    layer_ids = tuple(sorted(recipe.aux_layers or (2, depth // 2, depth - 3)))
+def features(recipe: Recipe, loaded: LoadedModel, layer_ids: tuple[int, ...]) -> Features:
+    """The target's answers, then text, as chunks, through the engine's forward; cached."""
+    cache = Path(recipe.cache) if recipe.cache else None
+    if cache is not None and cache.exists():
+        print(f"features from {cache}", flush=True)
+        return Features(**torch.load(cache))
+    answers = []
+    if recipe.answers:
+        from engine.core.llm_engine import LLMEngine
+        from server.settings import Settings
+
+        config = (
+            Settings.load(Path(recipe.answer_config)).engine_config()
+            if recipe.answer_config
+            else EngineConfig(model=recipe.target, dtype=recipe.dtype)  # type: ignore[arg-type]
+        )
+        engine = LLMEngine(config)
+        answers = target_answers(
+            engine, training_prompts(recipe.answers, recipe.seed), recipe.answer_tokens
+        )
+        del engine
     sources = [Path(s) for s in recipe.sources] or default_sources()
     chunks, files = token_chunks(
         loaded.tokenizer,
@@ -274,22 +341,39 @@ def run(recipe: Recipe) -> tuple[Eagle3Head, Result]:
         recipe.seq_len,
         recipe.tokens,
         recipe.per_file,
+        answers,
     )
     print(
-        f"{chunks.numel()} tokens from {len(files)} files; features at layers {layer_ids}",
+        f"{chunks.numel()} tokens ({sum(len(a) + 1 for a in answers)} of {len(answers)} answers, "
+        f"the rest from {len(files)} files); features at layers {layer_ids}",
         flush=True,
     )
-    model: Any = AutoModelForCausalLM.from_pretrained(str(loaded.weights_dir), dtype=torch.bfloat16)
-    data = extract_features(model.eval(), chunks, layer_ids, recipe.batch)
-    embed = model.get_input_embeddings().weight.detach().float()
-    del model
+    runner = ModelRunner(loaded, "cpu", recipe.dtype, 16)
+    runner.keep_aux_hidden(layer_ids)
+    runner.allocate_kv_cache(-(-recipe.seq_len // 16))
+    data = native_features(runner, chunks)
+    if cache is not None:
+        torch.save(asdict(data), cache)
+    return data
+
+
+def run(recipe: Recipe) -> tuple[Eagle3Head, Result]:
+    """Features, draft vocabulary, head, training, the folder: the whole job."""
+    torch.manual_seed(recipe.seed)
+    wall = time.monotonic()
+    loaded = load_model(recipe.target, "auto")
+    target = loaded.hf_config.to_dict()
+    depth = target["num_hidden_layers"]
+    layer_ids = tuple(sorted(recipe.aux_layers or (2, depth // 2, depth - 3)))
+    data = features(recipe, loaded, layer_ids)
+    outputs = TargetOutput.read(load_model(recipe.target, "none"))
     stops = [loaded.tokenizer.eos_token_id, *_as_list(target.get("eos_token_id"))]
     draft_ids = draft_vocabulary(data.greedy, recipe.draft_vocab, target["vocab_size"], stops)
     folder = Path(recipe.out)
     folder.mkdir(parents=True, exist_ok=True)
     config = head_config(target, recipe, layer_ids, draft_ids.numel())
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    head = new_head(Eagle3Config.read(folder), embed, recipe.seed)
+    head = new_head(Eagle3Config.read(folder), outputs, draft_ids, recipe)
     labels = draft_labels(data.greedy, draft_ids, target["vocab_size"])
     print(
         f"draft vocabulary {draft_ids.numel()} covers {(labels != IGNORE).float().mean():.1%} "
@@ -300,8 +384,7 @@ def run(recipe: Recipe) -> tuple[Eagle3Head, Result]:
     save_head(head, folder, draft_ids, getattr(torch, recipe.save_dtype))
     readme = {
         "recipe": asdict(recipe),
-        "tokens": chunks.numel(),
-        "files": len(files),
+        "tokens": data.tokens.numel(),
         "aux_layers": layer_ids,
         "steps": len(result.losses),
         "first_eval_loss": result.first_eval,
@@ -326,7 +409,10 @@ def parse(argv: list[str] | None = None) -> Recipe:
     p.add_argument("--aux-layers", type=int, nargs=3, default=[])
     defaults = Recipe("", "")
     for name, value in asdict(defaults).items():
-        if isinstance(value, int | float | str) and name not in ("target", "out"):
+        if isinstance(value, bool):
+            flag = f"--{name.replace('_', '-')}"
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        elif isinstance(value, int | float | str) and name not in ("target", "out"):
             p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = vars(p.parse_args(argv))
     args["sources"], args["aux_layers"] = tuple(args["sources"]), tuple(args["aux_layers"])

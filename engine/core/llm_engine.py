@@ -376,8 +376,9 @@ class LLMEngine:
         self._eagle3: Eagle3Proposer | None = None
         if spec.method == "ngram":
             return self._ngram  # type: ignore[return-value]
-        if spec.method == "eagle3":
-            return self._eagle3_proposer()
+        if "eagle3" in spec.proposers:
+            head = self._eagle3_proposer()
+            return head if self._ngram is None else HybridProposer(self._ngram, head)
         if spec.method == "mtp":
             return self._mtp_proposer()
         if spec.method not in ("draft", "hybrid"):

@@ -265,7 +265,9 @@ _FUSED = {
 class LayerStack(Protocol):
     """run_layers done elsewhere for the forwards it accepts (engine.model.decoder_stack)."""
 
-    def accepts(self, x: torch.Tensor, meta: AttentionMetadata) -> bool: ...
+    def accepts(
+        self, x: torch.Tensor, meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()
+    ) -> bool: ...
 
     def __call__(
         self,
@@ -274,7 +276,10 @@ class LayerStack(Protocol):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         local_rope: Rope | None = None,  # the sliding layers' (None: theirs is `rope`)
+        aux_layers: tuple[int, ...] = (),  # streams to keep (an EAGLE-3 head's features)
     ) -> torch.Tensor: ...  # [num_tokens, hidden]: the final norm's output
+
+    def aux(self) -> torch.Tensor: ...  # [num_tokens, n * hidden]: the last call's kept streams
 
 
 class DecoderModel(nn.Module):
@@ -298,7 +303,7 @@ class DecoderModel(nn.Module):
         self.native_stack: LayerStack | None = None
         # Layers whose input stream an EAGLE-3 head reads (j: the stream entering layer j; num_layers:
         # the last one's output before the norm), the last forward's in aux_hidden [T, n * hidden]
-        # in layer order. Only the eager loop keeps them: no native stack or graph while asked for.
+        # in layer order. The eager loop and the native stack keep them; no compiled graph does.
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
         # token ids the head scores: the first head_rows, then head_extra (all of them by default)
@@ -346,10 +351,14 @@ class DecoderModel(nn.Module):
         local = None  # layers of two kinds: the sliding layers' rope
         if self.shape.layer_types:
             local = (self.local_rotary or self.rotary).tables(positions, x.dtype)
+        stack = self.native_stack
+        if stack is not None and stack.accepts(x, meta, self.aux_layers):
+            out = stack(x, rope, kv_caches, meta, local, self.aux_layers)  # Gemma 3's too
+            if self.aux_layers:
+                self.aux_hidden = stack.aux()
+            return out
         if self.aux_layers:
             return self.run_layers(x, rope, kv_caches, meta, local)
-        if self.native_stack is not None and self.native_stack.accepts(x, meta):
-            return self.native_stack(x, rope, kv_caches, meta, local)  # Gemma 3's too
         if local is not None:  # the eager loop picks each layer's rope
             return self.run_layers(x, rope, kv_caches, meta, local)
         run_layers = self.compiled_layers or self.run_layers

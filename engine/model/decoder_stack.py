@@ -15,6 +15,9 @@ too), and a forward of short queries only (decodes and verify queries,
 `AttentionMetadata.short_only`) in a dtype the fused ops and the attention kernel take. Prompt chunks, other devices, compiled
 graphs and forwards where a chunk would take the dense prefill GEMM keep the Python loop.
 `SPECSERVE_DECODER_STACK=0` turns it off.
+
+For an EAGLE-3 head it also keeps the streams entering the head's aux layers (Llama's layer):
+`__call__(..., aux_layers)` then `aux()`, the tensor run_layers would keep, bit for bit.
 """
 
 from __future__ import annotations
@@ -49,14 +52,20 @@ class NativeStack:
         tensors, layout = _flatten(model)
         self.dtype = model.norm.weight.dtype
         self.windowed = any(s.is_sliding(i) for i in range(s.num_layers))
+        self.gemma = is_gemma(s)
+        self.aux_layers: tuple[int, ...] = ()  # the ones the native call keeps now
         sliding = [int(s.is_sliding(i)) for i in range(s.num_layers)]
         self.stack = torch.classes.specserve_kernels.DecoderStack(
             tensors, layout, model.norm.weight, s.rms_norm_eps, s.num_heads, s.num_kv_heads,
             s.head_dim, s.attention_scale, is_gemma(s), sliding, s.sliding_window or 0,
         )  # fmt: skip
 
-    def accepts(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def accepts(
+        self, x: torch.Tensor, meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()
+    ) -> bool:
         if not ENABLED or torch.compiler.is_compiling() or x.dtype != self.dtype:
+            return False
+        if aux_layers and self.gemma:
             return False
         if not meta.short_only or meta.groups[0].start_pos is None:
             return False
@@ -71,7 +80,11 @@ class NativeStack:
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # the sliding layers'
+        aux_layers: tuple[int, ...] = (),  # streams to keep for aux()
     ) -> torch.Tensor:  # [num_tokens, hidden]: the final norm's output
+        if aux_layers != self.aux_layers:
+            self.stack.keep_aux(list(aux_layers))
+            self.aux_layers = aux_layers
         group = meta.groups[0]
         local = meta.sliding.groups[0] if meta.sliding is not None else group
         out: torch.Tensor = self.stack.forward(
@@ -80,6 +93,10 @@ class NativeStack:
             local.block_tables,
         )  # fmt: skip
         return out
+
+    def aux(self) -> torch.Tensor:  # [num_tokens, n * hidden]: the last call's kept streams
+        kept: torch.Tensor = self.stack.aux()
+        return kept
 
 
 def build(model: DecoderModel) -> NativeStack | None:

@@ -156,7 +156,7 @@ class ModelRunner:
 
     def keep_aux_hidden(self, layers: tuple[int, ...]) -> None:
         """Keep the stream entering these layers for every position computed (an EAGLE-3 head's
-        features; call before allocate_kv_cache). The one-call native stack is skipped from now on."""
+        features; call before allocate_kv_cache)."""
         if self.tp is not None:
             raise ValueError("aux hidden states are not kept for a sharded model")
         if self.is_hybrid and layers != (self.model.shape.num_layers,):

@@ -262,17 +262,11 @@ class SpecPlanner:
         """The request's n-gram match or the draft model, whichever gives the step more tokens
         per second; the draft only where its catch-up (if any) pays."""
         state, seq = self.state_of(item.seq), item.seq
-        head = next((h for h in FEATURE_HEADS if item.k_for(h)), None)
-        if head is not None:
-            # An EAGLE-3 or MTP head, priced on the draft's curve; its catch-up (what the target
-            # accepted since) rides in its first forward. It drafts only in a step that computes
-            # just the last token: the features of the others do not exist yet.
-            if item.num_new_tokens != 1:
-                return None
-            gains, probe = self._gains(state, head, item.k_for(head))
-            return DraftOption(index, head, gains, FED_BACK, probe)
         matched = ngram_drafts(item) if item.k_for("ngram") else 0
         ngram = self._gains(state, "ngram", matched) if matched else None
+        head = next((h for h in FEATURE_HEADS if item.k_for(h)), None)
+        if head is not None:
+            return self._head_option(index, item, head, ngram, base_rows, batch_size)
         draft = self._gains(state, "draft", item.k_for("draft")) if item.k_for("draft") else None
         lag = seq.num_tokens - seq.num_draft_computed_tokens
         remaining = self.lengths.remaining(seq.num_output_tokens, seq.params.max_tokens)
@@ -298,6 +292,28 @@ class SpecPlanner:
         gains, probe = draft
         rows = lag if lag <= FREE_CATCH_UP else FED_BACK  # a long catch-up is priced above instead
         return DraftOption(index, "draft", gains, max(1, rows), probe)
+
+    def _head_option(
+        self,
+        index: int,
+        item: ScheduledSeq,
+        head: str,
+        ngram: tuple[list[float], bool] | None,  # the request's n-gram match's gains, if any
+        base_rows: int,
+        batch_size: int,
+    ) -> DraftOption | None:
+        """An EAGLE-3 or MTP head, priced on the draft's curve; its catch-up (what the target
+        accepted since) rides in its first forward. It drafts only in a step that computes just
+        the last token: the features of the others do not exist yet. An n-gram match
+        (hybrid-eagle3) is taken instead where it gives the step more tokens per second."""
+        own = None
+        if item.num_new_tokens == 1:
+            own = self._gains(self.state_of(item.seq), head, item.k_for(head))
+        if ngram and (
+            own is None or self._ngram_pays_more(ngram[0], own[0], base_rows, batch_size)
+        ):
+            return DraftOption(index, "ngram", *ngram)
+        return None if own is None else DraftOption(index, head, own[0], FED_BACK, own[1])
 
     def _ngram_pays_more(
         self, ngram: list[float], draft: list[float], base_rows: int, batch_size: int

@@ -28,6 +28,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -134,6 +135,19 @@ class DecoderStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Keep the stream entering these layers (j = num_layers: the last layer's output before the
+  // final norm) in each forward, as DecoderModel.run_layers keeps an EAGLE-3 head's features:
+  // entering layer j > 0 it is x + residual in the residual's dtype. Llama's layer only.
+  void keep_aux(std::vector<int64_t> layers) {
+    TORCH_CHECK(!gemma_ || layers.empty(), "DecoderStack: aux streams of Llama's layer only");
+    for (const int64_t j : layers)
+      TORCH_CHECK(j >= 0 && j <= num_layers(), "DecoderStack: aux layer ", j, " out of range");
+    aux_layers_ = std::move(layers);
+  }
+
+  // [T, n * hidden]: the kept streams of the last forward, in layer order (empty: none kept).
+  at::Tensor aux() const { return aux_; }
+
   // -> [T, hidden] in x's dtype: the final norm's output, as DecoderModel.run_layers returns.
   at::Tensor forward(const at::Tensor& embedded,            // [T, hidden]: the embedded tokens
                      const at::Tensor& cos,                 // [T, 1, head_dim]
@@ -154,8 +168,10 @@ class DecoderStack : public torch::CustomClassHolder {
     const at::ScalarType dtype = embedded.scalar_type();
     const int64_t tokens = embedded.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     at::Tensor x = embedded, residual, h;
+    std::vector<at::Tensor> aux;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
+      if (keeps(i)) aux.push_back(i == 0 ? x : at::add(x.to(residual.scalar_type()), residual));
       if (i == 0) {
         h = fused::rmsnorm(x, layer.input_norm, eps_, at::kFloat, "auto");
         residual = x;
@@ -174,7 +190,10 @@ class DecoderStack : public torch::CustomClassHolder {
       std::tie(h, residual) = fused::add_rmsnorm(x, residual, layer.post_norm, eps_, at::kFloat, "auto");
       x = layer.down(fused::silu_mul(layer.gate_up(h), dtype, at::kFloat, "auto"));
     }
-    return std::get<0>(fused::add_rmsnorm(x, residual, final_norm_, eps_, dtype, "auto"));
+    auto [out, stream] = fused::add_rmsnorm(x, residual, final_norm_, eps_, dtype, "auto");
+    if (keeps(layers_.size())) aux.push_back(stream.to(dtype));
+    aux_ = aux.empty() ? at::empty({0}) : at::cat(aux, -1);
+    return out;
   }
 
  private:
@@ -216,7 +235,15 @@ class DecoderStack : public torch::CustomClassHolder {
     return std::get<0>(norm(x, residual, final_norm_, dtype));
   }
 
+  bool keeps(size_t layer) const {
+    for (const int64_t j : aux_layers_)
+      if (static_cast<size_t>(j) == layer) return true;
+    return false;
+  }
+
   std::vector<Layer> layers_;
+  std::vector<int64_t> aux_layers_;
+  at::Tensor aux_ = at::empty({0});
   at::Tensor final_norm_;
   double eps_;
   int64_t heads_, kv_heads_, head_dim_;
@@ -233,5 +260,7 @@ TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, int64_t, int64_t,
                        int64_t, double, bool, std::vector<int64_t>, int64_t>())
       .def("num_layers", &specserve::DecoderStack::num_layers)
+      .def("keep_aux", &specserve::DecoderStack::keep_aux)
+      .def("aux", &specserve::DecoderStack::aux)
       .def("forward", &specserve::DecoderStack::forward);
 }

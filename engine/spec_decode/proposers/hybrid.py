@@ -1,17 +1,17 @@
-"""Hybrid: per request and per step, an n-gram match proposes for free; the draft model runs only for
-the requests without one. Code, quotes and edits often repeat what came before, and there the lookup
-is both free and right; open text rarely matches, and there the draft model does the work."""
+"""Hybrid: per request and per step, an n-gram match proposes for free; the draft (a draft model or
+an EAGLE-3 head) runs only for the requests without one. Code, quotes and edits often repeat what
+came before, and there the lookup is both free and right; open text rarely matches, and there the
+draft does the work."""
 
 from __future__ import annotations
 
 from engine.sequence import ScheduledSeq
-from engine.spec_decode.proposers.base import Proposal
-from engine.spec_decode.proposers.draft_model import DraftModelProposer
+from engine.spec_decode.proposers.base import Proposal, Proposer
 from engine.spec_decode.proposers.ngram import NgramProposer
 
 
 class HybridProposer:
-    def __init__(self, ngram: NgramProposer, draft: DraftModelProposer) -> None:
+    def __init__(self, ngram: NgramProposer, draft: Proposer) -> None:
         self.ngram = ngram
         self.draft = draft
 

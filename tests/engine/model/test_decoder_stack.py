@@ -86,6 +86,30 @@ def test_stack_equals_the_python_loop_for_decodes_and_verify_queries(
         assert all(torch.equal(a, b) for a, b in zip(python_caches, native_caches, strict=True))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_keeps_an_eagle3_heads_streams_as_the_python_loop(
+    tiny_gguf: Path, dtype: str
+) -> None:
+    """With aux layers asked for (an EAGLE-3 head's features: layer 0's input, a middle one's,
+    the last output before the norm) decodes and verifies still take the native stack, and the
+    streams it keeps equal the Python loop's bit for bit."""
+    runner = ModelRunner(load_model(str(tiny_gguf), "gguf"), "cpu", dtype, 16)  # type: ignore[arg-type]
+    runner.keep_aux_hidden((0, 1, 3))
+    runner.allocate_kv_cache(64)
+    prompt = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    runner.forward([ForwardInput(prompt, 0, [0, 1, 2, 3], 1)])
+    verify = [ForwardInput([7, 8, 9, 10, 11], 40, [0, 1, 2, 3], 5)]
+    python_logits, _, native_logits, _ = _both_ways(runner, verify)  # the native run last
+    assert torch.equal(python_logits, native_logits)
+    stack = runner.model.native_stack
+    assert stack is not None and stack.aux_layers == (0, 1, 3)  # it ran, keeping the streams
+    native = runner.aux_hidden([0, 1, 2, 3], 40, 45).clone()  # [5, 3 * hidden]
+    runner.model.native_stack = None
+    runner.forward(verify)  # the Python loop, over the same cache state
+    assert native.shape == (5, 3 * 256)
+    assert torch.equal(runner.aux_hidden([0, 1, 2, 3], 40, 45), native)
+
+
 def test_prompt_chunks_keep_the_python_loop(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -474,9 +474,9 @@ def test_planned_drafts_stay_lossless_and_price_the_head(
 
 
 @pytest.mark.skipif(not gguf_ops.available(), reason="native kernels not built")
-def test_a_gguf_target_skips_its_native_stack_and_changes_no_output(tmp_path: Path) -> None:
-    """The one-call native layer stack cannot hand out the streams the head reads: with eagle3 the
-    target runs the Python layer loop, whose output is the stack's bit for bit."""
+def test_a_gguf_target_keeps_its_native_stack_and_changes_no_output(tmp_path: Path) -> None:
+    """With eagle3 the target's decodes and verifies still take the one-call native layer stack,
+    which now keeps the streams the head reads, and the output is plain decoding's."""
     src = make_tiny_model(tmp_path / "src", hidden_size=256, intermediate_size=512, num_layers=3)
     target = tmp_path / "tiny.gguf"
     write_random_gguf(target, src, [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_0])
@@ -489,3 +489,5 @@ def test_a_gguf_target_skips_its_native_stack_and_changes_no_output(tmp_path: Pa
     seqs = engine.generate(prompts, greedy(MAX_TOKENS))
     assert [s.output_token_ids for s in seqs] == outputs(plain, prompts, greedy(MAX_TOKENS))
     assert _drafted(seqs)[0] > 0
+    stack = engine.target.model.native_stack
+    assert stack is not None and stack.aux_layers == engine.target.model.aux_layers  # it ran

@@ -1,0 +1,172 @@
+"""An EAGLE-3 head against plain decoding and the config's own speculation, in one process, c = 1.
+
+    python -m bench.eagle3_head --head heads/qwen2.5-coder-1.5b-eagle3 --categories code,chat \\
+        --num-prompts 6 --max-tokens 96 --rounds 2
+
+Two engines on the same target (the launch config's models, quantization and threads): the
+config's (its speculation, e.g. the 0.5B draft with n-gram lookups) and the same config with
+`speculative_method: eagle3` and the head. Modes, in an order that reverses every round: `plain`
+(no drafts), `config` (the config's speculation, adaptive), `eagle3` (the head, adaptive) and
+`eagle3 k=K` (the head drafting K every step, no planner: its raw acceptance). Prompts are the
+bench's held-out ones (`load_category(..., seed 0)`, never trained on: tools/eagle3_data.py) and
+each is put in both engines' prefix caches first. Greedy, so every mode must emit plain's tokens;
+the report says whether they did.
+
+Reports per category each mode's output tokens per second (median over rounds) and its ratio to
+plain, tokens per verify pass, the head's acceptance by draft position (of the fixed-k mode), and
+the head's and the target's one-row forward times (the cost ratio that decides break-even).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from bench.engine_args import cpu_flags
+from bench.serving.datasets import load_category
+from bench.serving.options import csv_list
+from bench.spec_grid import token_ids
+from engine.core.llm_engine import LLMEngine
+from engine.model.runner import ForwardInput
+from engine.sample.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    engine: LLMEngine
+    k: int | None  # None: the config's k ceiling, the planner on; else fixed k, no planner
+
+
+@dataclass
+class Tally:
+    rates: list[float] = field(default_factory=list)
+    passes: int = 0
+    tokens: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def add(self, seqs: list[Sequence], seconds: float) -> None:
+        self.rates.append(sum(s.num_output_tokens for s in seqs) / seconds)
+        self.outputs = [list(s.output_token_ids) for s in seqs]
+        for s in seqs:
+            self.passes += s.spec.num_drafts
+            self.tokens += s.spec.num_accepted_tokens + s.spec.num_drafts
+            _add(self.drafted_per_pos, s.spec.drafted_per_pos)
+            _add(self.accepted_per_pos, s.spec.accepted_per_pos)
+
+
+def _add(into: list[int], more: list[int]) -> None:
+    into.extend([0] * (len(more) - len(into)))
+    for i, n in enumerate(more):
+        into[i] += n
+
+
+def run(mode: Mode, prompts: list[list[int]], max_tokens: int) -> tuple[list[Sequence], float]:
+    """One prompt at a time (c = 1), each mode's planner or fixed k."""
+    engine = mode.engine
+    saved = engine.planner
+    if mode.k is not None:
+        engine.planner = engine.scheduler.planner = None
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=mode.k)
+    seqs, started = [], time.perf_counter()
+    try:
+        for prompt in prompts:
+            seqs += engine.generate([prompt], params)
+    finally:
+        engine.planner = engine.scheduler.planner = saved
+    return seqs, time.perf_counter() - started
+
+
+def forward_ms(engine: LLMEngine, rounds: int = 5) -> tuple[float, float]:
+    """Median one-row forward of the target (after 64 cached tokens) and of the head (catch-up
+    of one row and its logits), ms."""
+    assert engine._eagle3 is not None
+    target, table = (
+        engine.target,
+        list(range(engine.block_manager.num_blocks - 5, engine.block_manager.num_blocks)),
+    )
+    target.forward([ForwardInput(list(range(100, 164)), 0, table, 0)])
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        target.forward([ForwardInput([7], 64, table, 1)])
+        times.append(time.perf_counter() - started)
+    head = engine._eagle3.calibrate([1], rounds)[0][1]
+    return statistics.median(times) * 1000, head * 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config", type=Path, default=Path("configs/default.yaml"))
+    ap.add_argument("--head", required=True, help="the EAGLE-3 head's folder")
+    ap.add_argument("--categories", default="code,chat")
+    ap.add_argument("--num-prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--fixed-k", type=int, default=4, help="the head's fixed-k mode (0: none)")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    from server.settings import Settings
+
+    config = Settings.load(args.config).engine_config()
+    ceiling = max(config.speculative.num_speculative_tokens, args.fixed_k)
+    ours = LLMEngine(config)
+    spec = replace(
+        config.speculative,
+        method="eagle3",
+        draft_model=args.head,
+        num_speculative_tokens=ceiling,
+    )
+    eagle = LLMEngine(replace(config, speculative=spec))
+    print(f"CPU: {cpu_flags()}; threads {torch.get_num_threads()}", flush=True)
+    target_ms, head_ms = forward_ms(eagle)
+    print(f"one-row forward: target {target_ms:.1f} ms, head {head_ms:.2f} ms "
+          f"({head_ms / target_ms:.3f} of a target step)", flush=True)  # fmt: skip
+    modes = [
+        Mode("plain", ours, 0),
+        Mode("config", ours, None),
+        Mode("eagle3", eagle, None),
+        *([Mode(f"eagle3 k={args.fixed_k}", eagle, args.fixed_k)] if args.fixed_k else []),
+    ]
+    for category in csv_list(args.categories):
+        prompts = [token_ids(ours, p) for p in load_category(category, args.num_prompts, {})]
+        for engine in (ours, eagle):  # prefix caches
+            engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+        tallies = {m.name: Tally() for m in modes}
+        for r in range(args.rounds):
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                seqs, seconds = run(mode, prompts, args.max_tokens)
+                tallies[mode.name].add(seqs, seconds)
+                print(f"  {category} round {r + 1} {mode.name}: "
+                      f"{tallies[mode.name].rates[-1]:.2f} tok/s", flush=True)  # fmt: skip
+        report(category, tallies)
+    return 0
+
+
+def report(category: str, tallies: dict[str, Tally]) -> None:
+    plain = statistics.median(tallies["plain"].rates)
+    print(f"\n{category}: mode | tok/s | x plain | tokens / verify pass | equal to plain")
+    for name, t in tallies.items():
+        rate = statistics.median(t.rates)
+        per_pass = t.tokens / t.passes if t.passes else 1.0
+        same = t.outputs == tallies["plain"].outputs
+        print(f"  {name} | {rate:.2f} | {rate / plain:.2f} | {per_pass:.2f} | {same}")
+    for name, t in tallies.items():
+        if name.startswith("eagle3") and t.drafted_per_pos:
+            rates = [
+                a / d if d else 0.0
+                for a, d in zip(t.accepted_per_pos, t.drafted_per_pos, strict=True)
+            ]
+            print(f"  {name} acceptance by position: " + " / ".join(f"{x:.2f}" for x in rates))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

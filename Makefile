@@ -18,7 +18,7 @@ STAMP := $(VENV)/.installed
 KERNELS := $(VENV)/.kernels
 CONFIG ?= configs/default.yaml
 
-.PHONY: install serve test fetch-models lint bench llamacpp compare-llamacpp clean
+.PHONY: install serve test fetch-models lint bench llamacpp llama-server compare-llamacpp clean FORCE
 
 install: $(STAMP) $(KERNELS)
 
@@ -60,6 +60,40 @@ $(VENV)/.llamacpp: $(STAMP)
 	CMAKE_ARGS="$$($(BIN)/python -m bench.serving.machine --cmake-args)" \
 	  $(BIN)/pip install --no-cache-dir --no-binary llama-cpp-python -c requirements.lock -e '.[llamacpp]'
 	@touch $@
+
+# llama.cpp's own C++ llama-server, from the llama.cpp vendored in the pinned llama-cpp-python sdist,
+# with the `llamacpp` target's CPU switches; no web UI, no HTTPS, nothing fetched at build time.
+# The build (about 12 min on 2 cores) stays under $(VENV); the binary lands in $(BIN) and is rebuilt
+# only when the pinned version, the CPU switches or these flags change (docs/PEERS.md). Not in CI.
+LLAMA_CPP_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' requirements.lock)
+LLAMA_SERVER_DIR := $(VENV)/llama-server
+LLAMA_SERVER_SRC := $(LLAMA_SERVER_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp
+LLAMA_SERVER_FLAGS := -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF \
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+LLAMA_SERVER_JOBS ?= 2
+# The host's cmake, else pip's into the venv.
+CMAKE := $(or $(shell command -v cmake 2>/dev/null),$(BIN)/cmake)
+
+llama-server: $(BIN)/llama-server
+
+$(BIN)/cmake: | $(STAMP)
+	$(BIN)/pip install --quiet cmake
+
+# Rewritten only when its text changes, so its date says when the build's inputs last changed; the
+# bench reads its GGML switches as the binary's build (bench/serving/llama_server.py).
+$(LLAMA_SERVER_DIR)/config: FORCE | $(STAMP)
+	@mkdir -p $(@D)
+	@echo "$(LLAMA_CPP_VERSION) $$($(BIN)/python -m bench.serving.machine --cmake-args) $(LLAMA_SERVER_FLAGS)" > $@.new
+	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+
+$(BIN)/llama-server: $(LLAMA_SERVER_DIR)/config | $(CMAKE)
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(LLAMA_SERVER_DIR)
+	tar -xzf $(LLAMA_SERVER_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_SERVER_DIR)
+	$(CMAKE) -S $(LLAMA_SERVER_SRC) -B $(LLAMA_SERVER_DIR)/build \
+	  $$($(BIN)/python -m bench.serving.machine --cmake-args) $(LLAMA_SERVER_FLAGS)
+	nice -n 19 $(CMAKE) --build $(LLAMA_SERVER_DIR)/build --target llama-server -j $(LLAMA_SERVER_JOBS)
+	install -m 755 $(LLAMA_SERVER_DIR)/build/bin/llama-server $@
 
 # Our speed claims against llama.cpp on the same GGUF file, same threads, same prompts, one run.
 compare-llamacpp: install fetch-models llamacpp

@@ -57,24 +57,36 @@ def add_parser(sub: Any) -> None:
         "--peers",
         "--peer",
         default="",
-        help="comma list of llamacpp (llama.cpp on the same GGUF, in the same rounds at c=1: "
-        "docs/PEERS.md), hf, hf-assisted, hf-prompt-lookup",
+        help="comma list of at most one llama.cpp server (in the same rounds at c=1, on the "
+        "same GGUF: llamacpp, llama-cpp-python's; llama-server, llama-server-draft, "
+        "llama-server-ngram, llama.cpp's own, plain or speculative; docs/PEERS.md) and of hf, "
+        "hf-assisted, hf-prompt-lookup",
+    )
+    p.add_argument(
+        "--llama-server",
+        type=Path,
+        metavar="BINARY",
+        help="the llama-server binary (default: the one `make llama-server` puts in the venv)",
     )
     p.add_argument(
         "--peer-model",
         help="target model for the peers, a .gguf file for llamacpp (default: the config's)",
     )
-    p.add_argument("--peer-draft-model", help="draft for hf-assisted (default: the config's)")
+    p.add_argument(
+        "--peer-draft-model",
+        help="draft for hf-assisted, a .gguf file for llama-server-draft (default: the config's)",
+    )
     p.add_argument(
         "--peer-threads",
         type=int,
-        help="threads for the peers (default: the config's num_threads, else llamacpp takes the "
-        "physical cores and hf all cores)",
+        help="threads for the peers (default: the config's num_threads, else the llama.cpp peers "
+        "take the physical cores and hf all cores)",
     )
     p.add_argument(
         "--peer-k",
         type=int,
-        help="assistant / prompt-lookup tokens per step (default: the config's k)",
+        help="assistant / prompt-lookup / llama-server-draft tokens per step (default: the "
+        "config's k)",
     )
     p.add_argument(
         "--peer-num-prompts",

@@ -163,3 +163,7 @@ def _take_summary(chunk: dict[str, Any], result: RequestResult) -> None:
         for key in _SPEC_KEYS:
             if isinstance(holder.get(key), dict):
                 result.spec_summary = holder[key]
+    timings = chunk.get("timings")  # llama-server's: drafted and accepted tokens when it drafted
+    if isinstance(timings, dict) and "draft_n" in timings:
+        drafted, accepted = timings["draft_n"], timings.get("draft_n_accepted", 0)
+        result.spec_summary = {"drafted_tokens": drafted, "accepted_tokens": accepted}

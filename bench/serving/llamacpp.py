@@ -1,24 +1,28 @@
-"""llama.cpp as a peer: its OpenAI-compatible server (llama-cpp-python's `python -m llama_cpp.server`,
-the optional extra `llamacpp`) on the GGUF file the specserve config serves, with the same threads,
-prompts, greedy sampling and max tokens, measured in the same rounds as specserve's plain and
-speculative modes (runner.py), at concurrency 1 (its server decodes one request at a time).
+"""llama.cpp as a peer: an OpenAI-compatible llama.cpp server on the GGUF file the specserve config
+serves, with the same threads, prompts, greedy sampling and max tokens, measured in the same rounds
+as specserve's plain and speculative modes (runner.py), at concurrency 1. Two servers:
+- `llamacpp`: llama-cpp-python's `python -m llama_cpp.server` (the optional extra `llamacpp`);
+- `llama-server`, `llama-server-draft`, `llama-server-ngram`: llama.cpp's own C++ server, plain or
+  with its own speculative modes (llama_server.py).
+This module launches either, sends them requests and reads what they say they were built with.
 
-Sampling is made the OpenAI default that specserve applies: llama-cpp-python's own defaults
+Sampling is made the OpenAI default that specserve applies: llama.cpp's own defaults
 (top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1) would change greedy output and cost time.
-Its stream carries no usage and no token ids, so a request is counted as one token per text delta,
-and as exactly max_tokens when it stopped for length (a delta can hold several tokens that end in
-one multi-byte character).
+llama-cpp-python's stream carries no usage and no token ids, so a request is counted as one token
+per text delta, and as exactly max_tokens when it stopped for length (a delta can hold several
+tokens that end in one multi-byte character); llama-server's stream ends with its usage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -34,18 +38,46 @@ INSTALL_HINT = (
 )
 
 
+BodyFn = Callable[[Prompt, RequestSettings], dict[str, Any]]
+
+
+class PeerServer(Protocol):
+    """A llama.cpp server the bench can launch: its peer name, its command, where it says it is up."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def model_path(self) -> Path: ...
+    @property
+    def n_threads(self) -> int: ...
+    @property
+    def health_path(self) -> str: ...
+    def command(self, port: int) -> list[str]: ...
+    def request_body(self, prompt: Prompt, settings: RequestSettings) -> dict[str, Any]: ...
+    def build_info(self, log_path: Path) -> str | None: ...
+
+
 @dataclass(frozen=True)
 class LlamaCppServer:
     model_path: Path
     n_threads: int
     n_ctx: int = 4096
+    python: str = sys.executable
+    name: str = NAME
+    health_path: str = "/v1/models"  # the model is loaded before the server starts listening
 
-    def command(self, python: str, port: int) -> list[str]:
+    def command(self, port: int) -> list[str]:
         return [
-            python, "-m", "llama_cpp.server", "--model", str(self.model_path),
+            self.python, "-m", "llama_cpp.server", "--model", str(self.model_path),
             "--n_threads", str(self.n_threads), "--n_threads_batch", str(self.n_threads),
             "--n_ctx", str(self.n_ctx), "--host", "127.0.0.1", "--port", str(port),
         ]  # fmt: skip
+
+    def request_body(self, prompt: Prompt, settings: RequestSettings) -> dict[str, Any]:
+        return request_body(prompt, settings)
+
+    def build_info(self, log_path: Path) -> str | None:
+        return build_info(log_path)
 
 
 def installed() -> bool:
@@ -70,14 +102,11 @@ def gguf_file(spec: str) -> Path:
 
 
 @contextlib.contextmanager
-def launched_llamacpp(
-    server: LlamaCppServer, python: str, log_path: Path, timeout_s: float
-) -> Iterator[str]:
-    """Yields the URL of a llama.cpp server; stops it on exit. It is up once /v1/models answers
-    (the model is loaded before the server starts listening)."""
+def launched_llamacpp(server: PeerServer, log_path: Path, timeout_s: float) -> Iterator[str]:
+    """Yields the URL of a llama.cpp server once its health path answers; stops it on exit."""
     port = free_port()
-    cmd = server.command(python, port)
-    with launched(cmd, port, log_path, timeout_s, health_path="/v1/models") as url:
+    cmd = server.command(port)
+    with launched(cmd, port, log_path, timeout_s, health_path=server.health_path) as url:
         yield url
 
 
@@ -104,18 +133,23 @@ def request_body(prompt: Prompt, settings: RequestSettings) -> dict[str, Any]:
 
 
 async def send(
-    client: httpx.AsyncClient, prompt: Prompt, settings: RequestSettings
+    client: httpx.AsyncClient,
+    prompt: Prompt,
+    settings: RequestSettings,
+    name: str = NAME,
+    body_of: BodyFn = request_body,
 ) -> RequestResult:
-    result = RequestResult(prompt.prompt_id, NAME)
-    body = request_body(prompt, settings)
+    result = RequestResult(prompt.prompt_id, name)
+    body = body_of(prompt, settings)
     await send_body(client, endpoint(prompt), body, result, settings.timeout_s)
     if result.finish_reason == "length":
         result.output_tokens = settings.max_tokens
     return result
 
 
-def peer_target(client: httpx.AsyncClient) -> PeerTarget:
-    return PeerTarget(NAME, partial(send, client))
+def peer_target(client: httpx.AsyncClient, server: PeerServer) -> PeerTarget:
+    sender = partial(send, client, name=server.name, body_of=server.request_body)
+    return PeerTarget(server.name, sender)
 
 
 def build_info(log_path: Path) -> str | None:

@@ -10,17 +10,16 @@ import os
 import platform
 import shlex
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 from tqdm import tqdm
 
-from bench.serving import llamacpp, stats
+from bench.serving import llama_server, llamacpp, stats
 from bench.serving.client import RequestSettings
 from bench.serving.datasets import Prompt, load_category
 from bench.serving.machine import cpu_info
@@ -52,21 +51,28 @@ def load_prompts(args: argparse.Namespace) -> dict[str, list[Prompt]]:
     return prompts
 
 
+# The peers that join the rounds at concurrency 1: llama.cpp servers, one per run.
+LLAMA_PEERS = (llamacpp.NAME, *llama_server.PEERS)
+
+
 def main(args: argparse.Namespace) -> int:
     peers = csv_list(args.peers)
-    unknown = [p for p in peers if p not in (*PEER_MODES, llamacpp.NAME)]
+    unknown = [p for p in peers if p not in (*PEER_MODES, *LLAMA_PEERS)]
     if unknown:
-        raise SystemExit(f"unknown peers {unknown}; known: {', '.join(PEER_MODES)}, llamacpp")
-    with_llamacpp = llamacpp.NAME in peers
-    peers = [p for p in peers if p != llamacpp.NAME]
+        raise SystemExit(f"unknown peers {unknown}; known: {', '.join(PEER_MODES + LLAMA_PEERS)}")
+    llama = [p for p in peers if p in LLAMA_PEERS]
+    if len(llama) > 1:
+        raise SystemExit(f"one llama.cpp peer per run, not {llama}: run the bench once for each")
+    peers = [p for p in peers if p not in LLAMA_PEERS]
     args.out.mkdir(parents=True, exist_ok=True)
     args.raw_logs = raw_logs_dir(args)
     prompts = load_prompts(args)
     loads = loads_of(args)
-    if with_llamacpp:
+    if llama:
         check_llamacpp_run(prompts, loads)
-    with target(args) as base_url, llamacpp_server(args, with_llamacpp) as peer_url:
-        model, measurements = asyncio.run(sweep(args, base_url, prompts, loads, peer_url))
+    peer_name = llama[0] if llama else None
+    with target(args) as base_url, llamacpp_server(args, peer_name) as peer:
+        model, measurements = asyncio.run(sweep(args, base_url, prompts, loads, peer))
     rows = [row for m in measurements for row in stats.measurement_rows(m)]
     server_rows = stats.median_rows(rows)
     for row in server_rows:
@@ -104,25 +110,66 @@ def check_llamacpp_run(prompts: dict[str, list[Prompt]], loads: list[Load]) -> N
         raise SystemExit(f"the llama.cpp peer does not take JSON schemas: drop {schema}")
 
 
+@dataclass(frozen=True)
+class RunningPeer:
+    server: llamacpp.PeerServer
+    url: str
+
+
 @contextlib.contextmanager
-def llamacpp_server(args: argparse.Namespace, wanted: bool) -> Iterator[str | None]:
-    """llama.cpp on the config's GGUF file, beside the server under test, for the whole sweep."""
-    if not wanted:
+def llamacpp_server(args: argparse.Namespace, name: str | None) -> Iterator[RunningPeer | None]:
+    """The llama.cpp peer `name` on the config's GGUF file, beside the server under test, for the
+    whole sweep."""
+    if name is None:
         yield None
         return
-    if not llamacpp.installed():
-        raise SystemExit(llamacpp.INSTALL_HINT)
+    server = llama_peer_server(args, name)
+    log_path = args.raw_logs / f"{name}.log"
+    with llamacpp.launched_llamacpp(server, log_path, args.launch_timeout) as url:
+        port = int(url.rsplit(":", 1)[1])
+        args.llamacpp = {
+            "peer": name, "gguf": str(server.model_path), "threads": server.n_threads,
+            "command": shlex.join(server.command(port)), "build": server.build_info(log_path),
+        }  # fmt: skip
+        yield RunningPeer(server, url)
+
+
+def llama_peer_server(args: argparse.Namespace, name: str) -> llamacpp.PeerServer:
+    """What to launch for the llama.cpp peer `name`, from the flags and the launch config."""
+    binary = check_llama_peer(args, name)
     cfg = config_settings(args.launch)
     spec = args.peer_model or serve_flag(args, "--model") or cfg.get("model")
     if not spec:
         raise SystemExit("the llama.cpp peer needs --peer-model FILE.gguf (or --launch CONFIG)")
-    threads = args.peer_threads or cfg.get("num_threads") or cpu_info().physical_cores
+    model = llamacpp.gguf_file(str(spec))
+    threads = int(args.peer_threads or cfg.get("num_threads") or cpu_info().physical_cores)
     n_ctx = int(cfg.get("max_model_len") or 4096)
-    server = llamacpp.LlamaCppServer(llamacpp.gguf_file(str(spec)), int(threads), n_ctx)
-    log_path = args.raw_logs / "llamacpp.log"
-    with llamacpp.launched_llamacpp(server, sys.executable, log_path, args.launch_timeout) as url:
-        args.llamacpp = {"gguf": str(server.model_path), "threads": server.n_threads}
-        yield url
+    if binary is None:
+        return llamacpp.LlamaCppServer(model, threads, n_ctx)
+    draft = peer_draft_gguf(args, cfg) if name == "llama-server-draft" else None
+    k = int(args.peer_k or cfg.get("num_speculative_tokens") or 3)
+    return llama_server.LlamaServer(binary, model, threads, n_ctx, name, draft, draft_max=k)
+
+
+def check_llama_peer(args: argparse.Namespace, name: str) -> Path | None:
+    """Stops unless the peer `name` can run here; the llama-server binary it runs, if it is one."""
+    if name == llamacpp.NAME:
+        if not llamacpp.installed():
+            raise SystemExit(llamacpp.INSTALL_HINT)
+        return None
+    binary = Path(args.llama_server or llama_server.default_binary())
+    llama_server.check_binary(binary)
+    spec_type = llama_server.SPEC_TYPES[name]
+    if spec_type is not None:
+        llama_server.check_spec_type(binary, spec_type)
+    return binary
+
+
+def peer_draft_gguf(args: argparse.Namespace, cfg: dict[str, Any]) -> Path:
+    draft = args.peer_draft_model or serve_flag(args, "--draft-model") or cfg.get("draft_model")
+    if not draft:
+        raise SystemExit("llama-server-draft needs --peer-draft-model FILE.gguf (or a config's)")
+    return llamacpp.gguf_file(str(draft))
 
 
 async def sweep(
@@ -130,18 +177,18 @@ async def sweep(
     base_url: str,
     prompts: dict[str, list[Prompt]],
     loads: list[Load],
-    peer_url: str | None = None,
+    running: RunningPeer | None = None,
 ) -> tuple[str, list[Measurement]]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with (
         httpx.AsyncClient(base_url=base_url, limits=limits, timeout=None) as client,
-        httpx.AsyncClient(base_url=peer_url or base_url, timeout=None) as peer_client,
+        httpx.AsyncClient(base_url=running.url if running else base_url, timeout=None) as pc,
     ):
         model = args.model or await first_model(client)
         settings = RequestSettings(
             model, args.max_tokens, args.temperature, args.ignore_eos, args.request_timeout
         )
-        peer = llamacpp.peer_target(peer_client) if peer_url else None
+        peer = llamacpp.peer_target(pc, running.server) if running else None
         name = peer.name if peer else None
         total = args.repeats * sum(
             requests_per_measurement(ps, load, name) for ps in prompts.values() for load in loads
@@ -268,11 +315,8 @@ def server_meta(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def llamacpp_meta(args: argparse.Namespace) -> dict[str, Any]:
-    info = getattr(args, "llamacpp", None)
-    if not info:
-        return {}
-    built = llamacpp.build_info(args.raw_logs / "llamacpp.log")
-    return {"llamacpp_" + k: v for k, v in info.items()} | {"llamacpp_build": built}
+    info = getattr(args, "llamacpp", None) or {}
+    return {"llamacpp_" + k: v for k, v in info.items()}
 
 
 def write_outputs(

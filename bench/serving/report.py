@@ -9,13 +9,21 @@ from typing import Any
 Row = dict[str, Any]
 
 PLOTS = ("speedup.png", "acceptance_per_position.png", "latency.png")
-_MODE_COLORS = {"spec": "tab:orange", "plain": "tab:blue", "llamacpp": "tab:green"}
-PEER_LABELS = {"llamacpp": "llama.cpp"}
+_MODE_COLORS = {
+    "spec": "tab:orange", "plain": "tab:blue", "llamacpp": "tab:green",
+    "llama-server": "tab:green", "llama-server-draft": "tab:olive", "llama-server-ngram": "tab:cyan",
+}  # fmt: skip
+PEER_LABELS = {
+    "llamacpp": "llama.cpp",
+    "llama-server": "llama-server",
+    "llama-server-draft": "llama-server draft",
+    "llama-server-ngram": "llama-server ngram-mod",
+}
 MACHINE_KEYS = ("cpu", "cores", "cpu_flags", "llamacpp_build")  # meta keys of the Machine block
 _PEER_NOTE = (
     "Decode tokens/s per request, the first token excluded, median over repeats; in brackets the "
-    "ratio to llama.cpp within each repeat. Its server keeps only the last prompt's K/V, so its "
-    "TTFT pays the prefill while specserve's prompts are primed."
+    "ratio to {label} within each repeat. Its prompts are not primed (specserve's are), so its "
+    "TTFT may pay the prefill."
 )
 
 
@@ -115,7 +123,7 @@ def peer_comparison_table(rows: list[Row], peer: str) -> list[str]:
         return []
     label = PEER_LABELS.get(peer, peer)
     header = [
-        "category", f"{label} plain tok/s", "specserve plain tok/s", "specserve spec tok/s",
+        "category", f"{label} tok/s", "specserve plain tok/s", "specserve spec tok/s",
         f"TTFT p50 ms ({label} / plain / spec)", f"E2E tok/s ({label} / plain / spec)",
     ]  # fmt: skip
     body = []
@@ -144,10 +152,12 @@ def write_report(path: Path, rows: list[Row], peers: list[Row], meta: dict[str, 
     lines = ["# specserve bench", ""]
     lines += [f"- {k}: `{v}`" for k, v in meta.items() if k not in MACHINE_KEYS]
     lines += machine_lines(meta)
-    comparison = peer_comparison_table(rows, "llamacpp")
-    if comparison:
-        lines += ["", "## specserve vs llama.cpp (same GGUF file, concurrency 1)", ""]
-        lines += [_PEER_NOTE, ""] + comparison
+    peer = next((r["mode"] for r in rows if r["mode"] in PEER_LABELS), None)
+    comparison = peer_comparison_table(rows, peer) if peer else []
+    if peer and comparison:
+        label = PEER_LABELS[peer]
+        lines += ["", f"## specserve vs {label} (same GGUF file, concurrency 1)", ""]
+        lines += [_PEER_NOTE.format(label=label), ""] + comparison
     title = "Speedup (speculative tokens/s over plain tokens/s, same prompts)"
     if meta.get("control"):
         title = "A/A control (both modes decode plainly: the ratio is the host's noise)"

@@ -74,8 +74,8 @@ def test_cpu_info_without_proc(tmp_path: Path) -> None:
 
 
 def test_server_command_names_file_threads_and_context(tmp_path: Path) -> None:
-    server = llamacpp.LlamaCppServer(tmp_path / "m.gguf", n_threads=2, n_ctx=4096)
-    cmd = server.command("/venv/bin/python", 8123)
+    server = llamacpp.LlamaCppServer(tmp_path / "m.gguf", 2, 4096, python="/venv/bin/python")
+    cmd = server.command(8123)
     assert cmd[:3] == ["/venv/bin/python", "-m", "llama_cpp.server"]
     flags = dict(zip(cmd[3::2], cmd[4::2], strict=True))
     assert flags == {
@@ -168,7 +168,7 @@ class FakeLlamaCpp:
             part = {"delta": {"content": text}} if chat else {"text": text}
             yield _sse({"choices": [{"index": 0, "finish_reason": None, **part}]})
         reason = "length" if n == body["max_tokens"] else "stop"
-        end = {"delta": {}} if chat else {"text": ""}
+        end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
         yield _sse({"choices": [{"index": 0, "finish_reason": reason, **end}]})
         yield "data: [DONE]\n\n"
 
@@ -215,7 +215,7 @@ def fake_llamacpp(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeLlamaCp
     fake, launched = FakeLlamaCpp(), []
 
     @contextlib.contextmanager
-    def launch(server: Any, python: str, log_path: Path, timeout_s: float) -> Iterator[str]:
+    def launch(server: Any, log_path: Path, timeout_s: float) -> Iterator[str]:
         launched.append(server)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text("CPU : AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 0 |\n")

@@ -21,6 +21,7 @@ then offline code and docs; `--cache FILE` keeps the extracted features for a re
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -33,7 +34,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.model.decoder import RMSNorm
-from engine.model.eagle3 import Eagle3Config, Eagle3Head
+from engine.model.eagle3 import Eagle3Config, Eagle3Head, quantized_int8
 from engine.model.loader import LoadedModel, load_model
 from engine.model.rope import Rotary, apply_rope
 from engine.model.runner import ModelRunner
@@ -70,7 +71,7 @@ class Recipe:
     intermediate_size: int = 0  # 0: the target's
     aux_layers: tuple[int, ...] = ()  # (): vLLM's default (2, L // 2, L - 3)
     log_every: int = 10
-    save_dtype: str = "bfloat16"
+    save_dtype: str = "bfloat16"  # or float32, or int8 (rows with a scale, ~half of bfloat16)
     answers: int = 0  # training prompts the target answers first (tools/eagle3_data.py)
     answer_tokens: int = 192  # the longest answer
     answer_config: str = ""  # the engine that answers (a settings file); "": the target, plain
@@ -302,15 +303,22 @@ def train(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Recipe
     return Result(losses, first, evaluate(head, data, labels, recipe), seconds)
 
 
-def save_head(head: Eagle3Head, folder: Path, draft_ids: torch.Tensor, dtype: torch.dtype) -> None:
-    """model.safetensors beside the config.json already there: the format's names, d2t, t2d."""
-    weights = {n: t.detach().to(dtype).contiguous() for n, t in head.state_dict().items()}
+def save_head(head: Eagle3Head, folder: Path, draft_ids: torch.Tensor, dtype: str) -> None:
+    """model.safetensors beside the config.json already there: the format's names, d2t, t2d
+    (`int8`: the matrices as int8 rows and their scales, the rest bfloat16), and SHA256SUMS."""
+    cast = torch.bfloat16 if dtype == "int8" else getattr(torch, dtype)
+    weights = {n: t.detach().to(cast).contiguous() for n, t in head.state_dict().items()}
     weights.pop("embed_tokens.weight", None)
+    if dtype == "int8":
+        weights = quantized_int8(weights)
     weights["d2t"] = draft_ids - torch.arange(draft_ids.numel())
     weights["t2d"] = torch.zeros(head.config.vocab_size, dtype=torch.bool).index_fill(
         0, draft_ids, True
     )
     save_file(weights, str(folder / "model.safetensors"))
+    files = ("config.json", "model.safetensors")
+    sums = [f"{hashlib.sha256((folder / f).read_bytes()).hexdigest()}  {f}" for f in files]
+    (folder / "SHA256SUMS").write_text("\n".join(sums) + "\n")
 
 
 def features(recipe: Recipe, loaded: LoadedModel, layer_ids: tuple[int, ...]) -> Features:
@@ -381,7 +389,7 @@ def run(recipe: Recipe) -> tuple[Eagle3Head, Result]:
         flush=True,
     )
     result = train(head, data, labels, recipe)
-    save_head(head, folder, draft_ids, getattr(torch, recipe.save_dtype))
+    save_head(head, folder, draft_ids, recipe.save_dtype)
     readme = {
         "recipe": asdict(recipe),
         "tokens": data.tokens.numel(),

@@ -21,6 +21,7 @@ step writes the target's paged pool instead).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,7 +307,9 @@ def load_eagle3_head(
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """safetensors files, else a pytorch_model.bin (the EAGLE authors' own heads ship one), read
-    as tensors only (`weights_only`: no code in the file runs)."""
+    as tensors only (`weights_only`: no code in the file runs); files listed in a SHA256SUMS
+    beside them checked first, int8 matrices with a `weight_scale` dequantized."""
+    check_sha256sums(folder)
     files = sorted(folder.glob("*.safetensors"))
     if files:
         raw = {name: t for file in files for name, t in load_file(str(file)).items()}
@@ -315,8 +318,50 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     else:
         raise ValueError(f"{folder} has no .safetensors or pytorch_model.bin (the head's weights)")
     return {
-        name.removeprefix("model.").replace("layers.0.", "midlayer."): t for name, t in raw.items()
+        name.removeprefix("model.").replace("layers.0.", "midlayer."): t
+        for name, t in dequantized(raw).items()
     }
+
+
+def dequantized(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """int8 matrices stored with a per-row scale (`X.weight` int8 [out, in] and
+    `X.weight_scale` [out, 1], compressed-tensors' names) as float32: q * scale."""
+    out = {}
+    for name, t in weights.items():
+        if name.endswith(".weight_scale"):
+            continue
+        scale = weights.get(name + "_scale")
+        if t.dtype == torch.int8 and scale is not None:
+            t = t.float() * scale.float().reshape(-1, 1)
+        out[name] = t
+    return out
+
+
+def quantized_int8(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`dequantized`'s inverse for the 2-D float matrices: symmetric int8 per output row."""
+    out = {}
+    for name, t in weights.items():
+        if t.dim() == 2 and t.is_floating_point() and name.endswith(".weight"):
+            scale = t.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+            out[name] = (t.float() / scale).round().clamp(-127, 127).to(torch.int8)
+            out[name + "_scale"] = scale
+        else:
+            out[name] = t
+    return out
+
+
+def check_sha256sums(folder: Path) -> None:
+    """Every file a SHA256SUMS in the folder lists (`<hex>  <name>` lines) must hash to it."""
+    sums = folder / "SHA256SUMS"
+    if not sums.is_file():
+        return
+    for line in sums.read_text().splitlines():
+        if not line.strip():
+            continue
+        want, name = line.split(maxsplit=1)
+        digest = hashlib.sha256((folder / name.lstrip("*")).read_bytes()).hexdigest()
+        if digest != want:
+            raise ValueError(f"{folder / name}: sha256 {digest}, SHA256SUMS says {want}")
 
 
 def _target_ids(

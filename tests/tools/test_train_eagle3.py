@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
+from safetensors.torch import load_file
 
 from engine.config import SpeculativeConfig
 from engine.model.eagle3 import Eagle3Head, HeadSpan, load_eagle3_head
 from tools.eagle3_data import extract_features
-from tools.train_eagle3 import Recipe, Result, head_config, head_step, run
+from tools.train_eagle3 import Recipe, Result, head_config, head_step, run, save_head
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -129,3 +130,36 @@ def test_head_config_keeps_the_targets_rope() -> None:
     config = head_config(target, recipe(Path("t"), Path("o"), 1), (2, 14, 25), 8192)
     assert config["rope_theta"] == 1e6 and config["head_dim"] == 128
     assert config["intermediate_size"] == 8960 and config["draft_vocab_size"] == 8192
+
+
+def test_an_int8_head_loads_close_to_its_float_one_and_is_checked(
+    trained: tuple[Path, Eagle3Head, Result], tmp_path: Path
+) -> None:
+    """`--save-dtype int8` halves the file (int8 rows and a float scale each); the loader
+    dequantizes, and a SHA256SUMS beside the files must match them."""
+    folder, head, _ = trained
+    packed = tmp_path / "int8"
+    packed.mkdir()
+    (packed / "config.json").write_text((folder / "config.json").read_text())
+    draft_ids = load_eagle3_head(
+        str(folder), head.target_embed[0], 64, head.config.vocab_size, 256,
+        torch.device("cpu"), torch.float32,
+    ).target_ids  # fmt: skip
+    save_head(head, packed, draft_ids, "int8")
+    weights = load_file(str(packed / "model.safetensors"))
+    assert weights["fc.weight"].dtype == torch.int8 and "fc.weight_scale" in weights
+    loaded = load_eagle3_head(
+        str(packed), head.target_embed[0], 64, head.config.vocab_size, 256,
+        torch.device("cpu"), torch.float32,
+    )  # fmt: skip
+    for name, want in head.state_dict().items():
+        if name.endswith(".weight") and want.dim() == 2 and name != "embed_tokens.weight":
+            got, want = loaded.state_dict()[name], want.bfloat16().float()  # int8 of the bf16
+            step = want.abs().amax(dim=1, keepdim=True) / 127  # one int8 step per row
+            assert ((got - want).abs() <= step * 0.501).all(), name
+    (packed / "config.json").write_text((folder / "config.json").read_text() + " ")
+    with pytest.raises(ValueError, match="sha256"):
+        load_eagle3_head(
+            str(packed), head.target_embed[0], 64, head.config.vocab_size, 256,
+            torch.device("cpu"), torch.float32,
+        )  # fmt: skip

@@ -9,7 +9,7 @@ match's continuation, k drafts) and `tree` (up to `--tree-width` matches merged 
 most k nodes, engine/spec_decode/proposers/tree.py). Each prompt is put in the prefix cache first. Reports
 each mode's output tokens per second (median over rounds), the ratios, the mean accepted length
 per verify pass, and whether every mode's text equals plain's (greedy: it must, up to rounding
-near ties, since a tree's verify rows take the gathered attention path, not the native kernel).
+near ties: a later branch's rows sum their softmax in other SIMD lanes than plain decoding's).
 """
 
 from __future__ import annotations

@@ -67,14 +67,19 @@ def paged_attention(
     start_pos: torch.Tensor,  # [batch] int64: tokens cached before this pass
     query_lens: torch.Tensor,  # [batch] int64: new tokens, summing to `tokens`
     scale: float,
-    isa: str = "auto",  # "scalar", "avx2", "avx512" or "avx512bf16" to pin a variant (tests)
+    isa: str = "auto",  # "scalar", "avx2", "avx512", "avx512bf16" or "amx": pin a variant (tests)
     split_tokens: int = 256,  # a request's context is split into ranges of this many tokens
     window: int = 0,  # a sliding-window layer's: the query at p sees keys (p - window, p]; 0: all
+    tree_bits: torch.Tensor | None = None,  # [tokens] int64: a draft tree's rows (below)
 ) -> torch.Tensor:  # [tokens, heads, head_dim]
     """With a window, request b's block table starts at its block
-    max(0, start_pos[b] + 1 - window) // block_size (the first its first query sees)."""
+    max(0, start_pos[b] + 1 - window) // block_size (the first its first query sees).
+
+    With `tree_bits`, query j of request b sees the cached keys and, of this pass's, the i-th
+    (position start_pos[b] + i) only where bit i of its row's bits is set: a draft tree's verify,
+    the nodes written in node order. A chain's rows are bits 0..j. At most 64 tokens a request."""
     out: torch.Tensor = torch.ops.specserve_kernels.paged_attention(
         q.contiguous(), k_cache, v_cache, block_tables, start_pos, query_lens, scale, isa,
-        split_tokens, window,
+        split_tokens, window, tree_bits,
     )  # fmt: skip
     return out

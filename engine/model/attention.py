@@ -18,7 +18,9 @@ float32, 5-10x faster there than bf16 (16 decodes at 300 tokens of context: a 1.
 layer for K and for V, so one gather gives contiguous `[kv_heads, batch, len, head_dim]` keys.
 
 On the CPU, short groups skip the gather: the native kernel (engine.kernels.attention_ops)
-reads K and V in place through the block tables, when the kernel library is loaded.
+reads K and V in place through the block tables, when the kernel library is loaded. A draft
+tree's group too: each row's ancestors among the pass's tokens go to the kernel as bits
+(`AttentionGroup.tree_bits`), the same mask `_with_tree_masks` puts in the gathered path's bias.
 
 Sliding-window layers (Gemma 3's local layers) see the same forward through `meta.sliding`:
 groups whose masks also hide keys at or before `p - window` from the query at position p, and
@@ -84,6 +86,9 @@ class AttentionGroup:
     # a sliding-window layer's group: the query at p sees keys (p - window, p]; its block tables
     # start at each request's first block the window reaches (`_blocks_before_window`)
     window: int | None = None
+    # A short group with a draft tree, for the native kernel: [group_tokens] int64, bit i of a
+    # row set where it sees its request's i-th token of this pass (`_tree_bits`); None: causal.
+    tree_bits: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -195,9 +200,10 @@ def _build_group(
         mask = _with_tree_masks(mask, run)
     if short and mask is not None:
         mask = _bias(mask)
-    # the native kernel attends causally (within the group's window, tables starting where
-    # `_blocks_before_window` says): tree groups keep the gathered path
-    native = short and not trees
+    # the native kernel attends causally within the group's window (tables starting where
+    # `_blocks_before_window` says), and a tree's rows to their ancestors by their bits
+    native = short
+    bits = _tree_bits(run) if native and trees else None
     return AttentionGroup(
         token_start=token_start,
         token_end=token_start + num_tokens,
@@ -211,6 +217,7 @@ def _build_group(
         causal=causal,
         first_block=None if short or len(run) > 1 else _first_of_run(rows[0]),
         window=window,
+        tree_bits=None if bits is None else bits.to(device, non_blocking=True),
     )
 
 
@@ -276,6 +283,17 @@ def _with_tree_masks(
             n, start = span.num_tokens, span.start_pos
             mask[b, 0, :n, start : start + n] = span.tree_mask
     return mask
+
+
+def _tree_bits(run: list[RequestSpan]) -> torch.Tensor:  # [group_tokens] int64
+    """Per query row, which of its request's tokens of this pass it sees, as bits (bit i: the
+    pass's i-th token): a tree's ancestors and itself, a chain's tokens up to its own."""
+    rows = []
+    for span in run:
+        n = span.num_tokens
+        mask = span.tree_mask if span.tree_mask is not None else torch.ones(n, n).tril_().bool()
+        rows.append((mask.long() << torch.arange(n)).sum(-1))  # bit 63 wraps to int64's sign
+    return torch.cat(rows)
 
 
 def _bias(mask: torch.Tensor) -> torch.Tensor:
@@ -372,6 +390,7 @@ def _native_attention(
     out = attention_ops.paged_attention(
         q[group.token_start : group.token_end], k_cache, v_cache, group.block_tables,
         group.start_pos, group.query_lens, scale, window=group.window or 0,
+        tree_bits=group.tree_bits,
     )  # fmt: skip
     return out.view(out.shape[0], -1)
 

@@ -11,9 +11,10 @@ layer (no q/k norm, no norm after a sublayer, every layer rotating: not SmolLM3'
 multiplier: Granite's other constants act outside the layers, or are the attention scale it is
 given) or Gemma 3's (offset norms, q/k norms, sandwich norms, GeGLU, local layers with their own
 rope and a window: the native ops of engine/kernels/gemma_ops.py, which the Python loop calls
-too), and a forward of short queries only (decodes and verify queries,
-`AttentionMetadata.short_only`) in a dtype the fused ops and the attention kernel take. Prompt chunks, other devices, compiled
-graphs and forwards where a chunk would take the dense prefill GEMM keep the Python loop.
+too), and a forward of short queries only (decodes and verify queries, a draft tree's too on
+Llama's layer: the kernel takes its rows' bits; `AttentionMetadata.short_only`) in a dtype the
+fused ops and the attention kernel take. Prompt chunks, other devices, compiled graphs and
+forwards where a chunk would take the dense prefill GEMM keep the Python loop.
 `SPECSERVE_DECODER_STACK=0` turns it off.
 
 For an EAGLE-3 head it also keeps the streams entering the head's aux layers (Llama's layer):
@@ -71,6 +72,8 @@ class NativeStack:
             return False
         if self.windowed and (meta.sliding is None or meta.sliding.groups[0].start_pos is None):
             return False
+        if self.gemma and meta.groups[0].tree_bits is not None:
+            return False  # models with windows draft no trees: Gemma's path takes none
         return meta.groups[0].max_query_len < native_chunk_limit(x.dtype)  # no row runs dense
 
     def __call__(
@@ -90,7 +93,7 @@ class NativeStack:
         out: torch.Tensor = self.stack.forward(
             x, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
             group.block_tables, group.start_pos, group.query_lens, *(local_rope or rope),
-            local.block_tables,
+            local.block_tables, group.tree_bits,
         )  # fmt: skip
         return out
 

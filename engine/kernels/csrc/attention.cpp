@@ -11,6 +11,14 @@
 // max(0, start[b] + 1 - window) / block_size, the first its first query sees, and only the
 // blocks a query's window reaches are read.
 //
+// A draft tree's verify (tree_bits, optional, [tokens] int64): the pass's tokens are the tree's
+// nodes in node order (parents before children, the known token first), each written to the slot
+// of position start[b] + j whatever its depth. Query j then sees the cached keys and, of the
+// pass's own keys, key i only where bit i of tree_bits[qoffset[b] + j] is set (its ancestors and
+// itself); a chain's rows set bits 0..j, causal. Bits cover 64 keys: a request with tree bits has
+// at most 64 tokens in the pass. The kernels mask the scores as for a window (below), by key
+// position, so the ranges, tiles and merge are the causal ones.
+//
 // Work: one item per (request, KV head, range of blocks, tile of up to 16 queries). An item takes
 // the group's query heads of that KV head (GQA: every key is loaded once for all of them) times
 // the tile's queries as rows and runs in three passes over its range (256 tokens by default):
@@ -33,7 +41,10 @@
 // variant. With a window too: the ranges stay aligned to multiples of split_tokens from key 0
 // (a range before a row's window is one it sees none of, dropped by the merge), and keys an
 // item reads before a row's window score -inf, adding exact zeros to its sums
-// (test_attention_window.py).
+// (test_attention_window.py). With a tree the same holds by slot: a row of the tree's first
+// path (its ancestors at their own positions) equals the decode of its position bit for bit; a
+// later branch's row has its ancestors at other slots, so the SIMD kernels sum the same terms in
+// other lanes (test_attention_tree.py compares every variant with a dense masked reference).
 //
 // ISA: AMX-BF16 (bfloat16 caches in blocks of 16: the scores of a block for 16 rows in one
 // `tdpbf16ps` per 32 dims, from the keys as stored), AVX512-BF16 (bfloat16 caches: the scores
@@ -241,7 +252,7 @@ Batch plan(const at::Tensor& start, const at::Tensor& qlen, int64_t kv_heads, in
 template <typename T>
 void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
                const at::Tensor& v_cache, const at::Tensor& tables, float scale, int64_t window,
-               Isa isa, float* m, float* l, float* acc) {
+               const uint64_t* tree_bits, Isa isa, float* m, float* l, float* acc) {
   const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1);
   const int64_t block_size = k_cache.size(2), group = heads / kv_heads;
@@ -266,6 +277,7 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
     float* kf = keys_f32.get(block_size * dim);
     int32_t* kt = keys_t.get(slots * dim / 2);
     std::vector<int64_t> limit, nkeys;
+    std::vector<uint64_t> tree;
     std::vector<const T*> kb, vb;
     bool fed = false;
     for (int64_t i = lo; i < hi; ++i) {
@@ -290,6 +302,10 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
         std::copy_n(qp + ((p.qoffset[it.b] + j) * heads + it.h * group) * dim, group * dim,
                     qrows.data() + (j - it.q_begin) * group * dim);
       for (int64_t r = 0; r < rows; ++r) limit[r] = start + it.q_begin + r / group + 1;
+      if (tree_bits != nullptr) {
+        tree.resize(rows);
+        for (int64_t r = 0; r < rows; ++r) tree[r] = tree_bits[p.qoffset[it.b] + it.q_begin + r / group];
+      }
       kb.resize(nblocks);
       vb.resize(nblocks);
       nkeys.resize(nblocks);
@@ -300,7 +316,8 @@ void run_items(const Batch& p, const at::Tensor& q, const at::Tensor& k_cache,
         nkeys[n] = std::min(block_size, start + qn - (it.block_begin + n) * block_size);
       }
       Range<T> a{qrows.data(), queries_f32.get(rows * dim), limit.data(), kb.data(), vb.data(), nkeys.data(),
-                 it.block_begin * block_size, rows, nblocks, block_size, dim, slots, window, scale,
+                 it.block_begin * block_size, rows, nblocks, block_size, dim, slots, window,
+                 tree_bits != nullptr ? tree.data() : nullptr, start, scale,
                  scores.get(std::max<int64_t>(rows, 16) * nblocks * slots), kf, kt, &feed, fed, {}};
       for (int64_t n = 0; n < kFeedBlocks && i + 1 < hi; ++n) {
         const std::optional<int64_t> next = block(p.items[i + 1], n);
@@ -357,7 +374,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& start_pos, const at::Tensor& query_lens,
                            double scale, const std::string& isa_name, int64_t split_tokens,
-                           int64_t window) {
+                           int64_t window, const std::optional<at::Tensor>& tree_bits) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q [tokens, heads, dim], caches [kv_heads, blocks, block, dim]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -379,16 +396,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(p.qoffset.empty() || p.qoffset.back() + p.qlen.back() == q.size(0),
               "paged_attention: query lengths must sum to q's tokens");
   const Isa isa = pick(isa_name, dim, q.scalar_type() == at::kBFloat16, k_cache.size(2));
+  at::Tensor bits;
+  if (tree_bits.has_value()) {
+    bits = tree_bits->contiguous();
+    TORCH_CHECK(bits.scalar_type() == at::kLong && bits.dim() == 1 && bits.size(0) == q.size(0),
+                "paged_attention: tree_bits [tokens] int64");
+    for (const int64_t n : p.qlen)
+      TORCH_CHECK(n <= 64, "paged_attention: a tree's bits cover 64 tokens a pass, not ", n);
+  }
+  const auto* tree = bits.defined() ? reinterpret_cast<const uint64_t*>(bits.data_ptr<int64_t>()) : nullptr;
   std::vector<float> m(p.total_rows), l(p.total_rows), acc(p.total_rows * dim);
   at::Tensor out = at::empty_like(q);
   const float s = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    run_items<float>(p, q, k_cache, v_cache, block_tables, s, window, isa, m.data(), l.data(), acc.data());
+    run_items<float>(p, q, k_cache, v_cache, block_tables, s, window, tree, isa, m.data(), l.data(),
+                     acc.data());
     merge<float>(p, heads, kv_heads, dim, m.data(), l.data(), acc.data(), out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention: float32 or bfloat16");
-    run_items<c10::BFloat16>(p, q, k_cache, v_cache, block_tables, s, window, isa, m.data(), l.data(),
-                             acc.data());
+    run_items<c10::BFloat16>(p, q, k_cache, v_cache, block_tables, s, window, tree, isa, m.data(),
+                             l.data(), acc.data());
     merge<c10::BFloat16>(p, heads, kv_heads, dim, m.data(), l.data(), acc.data(), out);
   }
   return out;
@@ -400,6 +427,6 @@ TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor start_pos, Tensor query_lens, float scale, str isa='auto', "
-      "int split_tokens=256, int window=0) -> Tensor",
+      "int split_tokens=256, int window=0, Tensor? tree_bits=None) -> Tensor",
       &specserve::paged_attention);
 }

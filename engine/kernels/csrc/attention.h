@@ -51,8 +51,9 @@ constexpr int64_t kFeedBlocks = 2;
 
 // What an item's kernels read: `rows` query rows against the blocks of one range of a request's
 // context. Keys at positions < limit[r] are visible to row r (its causal limit), and with a
-// window only the last `window` of them (positions >= limit[r] - window); a block's slots past
-// its keys, and keys a row does not see, score -inf.
+// window only the last `window` of them (positions >= limit[r] - window); with a draft tree, of
+// this pass's keys (positions tree_first + j, j < 64) only those whose bit j is set in tree[r];
+// a block's slots past its keys, and keys a row does not see, score -inf.
 template <typename T>
 struct Range {
   const T* q;             // [rows, dim] as stored
@@ -65,6 +66,8 @@ struct Range {
   int64_t rows, nblocks, block_size, dim;
   int64_t slots;          // score slots per block: block_size rounded up to 16
   int64_t window;         // a sliding-window layer's: keys a row sees (0: all before its limit)
+  const uint64_t* tree;   // [rows]: bit j, the row sees this pass's key j (null: no tree)
+  int64_t tree_first;     // position of this pass's first key (the request's start)
   float scale;
   float* scores;          // scratch [max(rows, 16), nblocks * slots]: scores, then probabilities
                           // (row-major; the AMX kernel's key-major [nblocks * 16][16 rows])
@@ -101,6 +104,26 @@ inline void mask_window(const Range<T>& a) {
       float* s = a.scores + r * a.stride() + i * a.slots;
       std::fill(s, s + n, kNegInf);
     }
+}
+
+// A draft tree on top of the causal scores: of this pass's keys (at most 64, in node order after
+// the cached ones), those not among row r's ancestors and itself. Work by key position, as the
+// ranges split the context anywhere: `hide(n)` for the range's n-th key, at most 64 per row.
+template <typename T, class F>
+inline void tree_hidden(const Range<T>& a, int64_t r, F&& hide) {
+  const int64_t end = std::min(a.first + a.nblocks * a.block_size, a.limit[r]);
+  for (int64_t pos = std::max(a.first, a.tree_first); pos < end; ++pos)
+    if (((a.tree[r] >> (pos - a.tree_first)) & 1) == 0) hide(pos - a.first);
+}
+
+// The tree's hidden keys score -inf (row-major scores), as the window's above: the softmax and
+// the values add exact zeros for them, so a row sums its visible keys' terms in key order.
+template <typename T>
+inline void mask_tree(const Range<T>& a) {
+  for (int64_t r = 0; r < a.rows; ++r) {
+    float* s = a.scores + r * a.stride();
+    tree_hidden(a, r, [&](int64_t n) { s[n / a.block_size * a.slots + n % a.block_size] = kNegInf; });
+  }
 }
 
 // The scores pass reads the keys block by block, then the values pass the values: while block
@@ -144,6 +167,7 @@ template <class K, typename T>
 void attend(const Range<T>& a, RowState st) {
   K::scores(a);
   if (a.window > 0) mask_window(a);
+  if (a.tree != nullptr) mask_tree(a);
   for (int64_t r = 0; r < a.rows; ++r)
     st.m[r] = K::softmax(a.scores + r * a.stride(), a.stride(), st.l + r);
   std::fill(st.acc, st.acc + a.rows * a.dim, 0.f);

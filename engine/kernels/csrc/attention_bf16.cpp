@@ -304,6 +304,8 @@ struct Amx {
         _mm512_store_ps(block + t * 16, _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), seen, v));
       }
     }
+    if (a.tree != nullptr)  // key-major: the range's key n for row r at s[n * 16 + r]
+      for (int64_t r = 0; r < nr; ++r) tree_hidden(a, r0 + r, [&](int64_t n) { s[n * 16 + r] = kNegInf; });
     const int64_t keys = a.nblocks * 16;
     __m512 m = _mm512_set1_ps(kNegInf);
     for (int64_t t = 0; t < keys; ++t) m = _mm512_max_ps(m, _mm512_load_ps(s + t * 16));

@@ -10,7 +10,7 @@
 //   h, residual = add_rmsnorm(x, residual)        first layer: h = rmsnorm(x), residual = x
 //   qkv = cat(gguf_mm(h) per kernel).to(dtype) + bias
 //   q   = rope_write_kv(qk, v, cos, sin, caches)  this pass's K and V into their slots
-//   x   = gguf_mm(paged_attention(q, caches))     o_proj, float32
+//   x   = gguf_mm(paged_attention(q, caches))     o_proj, float32 (a draft tree's rows: its bits)
 //   h, residual = add_rmsnorm(x, residual)
 //   x   = gguf_mm(silu_mul(gguf_mm(h)))           gate_up, down, float32
 //
@@ -160,9 +160,11 @@ class DecoderStack : public torch::CustomClassHolder {
                      const at::Tensor& query_lens,    // [batch] int64: new tokens, summing to T
                      const at::Tensor& local_cos,     // the local layers' (Gemma; else cos)
                      const at::Tensor& local_sin,
-                     const at::Tensor& local_tables) {  // from each request's window's first block
+                     const at::Tensor& local_tables,  // from each request's window's first block
+                     const std::optional<at::Tensor>& tree_bits) {  // [T] int64: a draft tree's
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "DecoderStack: one K and one V cache per layer");
+    TORCH_CHECK(!gemma_ || !tree_bits.has_value(), "DecoderStack: draft trees on Llama's layer only");
     if (gemma_) return gemma_forward(embedded, cos, sin, k_caches, v_caches, slots, block_tables, start_pos,
                                      query_lens, local_cos, local_sin, local_tables);
     const at::ScalarType dtype = embedded.scalar_type();
@@ -185,7 +187,7 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
       const at::Tensor q = fused::rope_write_kv(qk, v, cos, sin, k_cache, v_cache, slots, heads_);
       const at::Tensor attended = paged_attention(q, k_cache, v_cache, block_tables, start_pos, query_lens,
-                                                  scale_, "auto", 256, 0);  // [T, heads, D]
+                                                  scale_, "auto", 256, 0, tree_bits);  // [T, heads, D]
       x = layer.o(attended.view({tokens, q_size}).to(at::kFloat).contiguous());
       std::tie(h, residual) = fused::add_rmsnorm(x, residual, layer.post_norm, eps_, at::kFloat, "auto");
       x = layer.down(fused::silu_mul(layer.gate_up(h), dtype, at::kFloat, "auto"));

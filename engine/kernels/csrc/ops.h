@@ -15,7 +15,8 @@ namespace specserve {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& start_pos,
                            const at::Tensor& query_lens, double scale, const std::string& isa_name,
-                           int64_t split_tokens, int64_t window);
+                           int64_t split_tokens, int64_t window,
+                           const std::optional<at::Tensor>& tree_bits = std::nullopt);
 
 namespace gguf {  // gguf_gemm.cpp
 at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,

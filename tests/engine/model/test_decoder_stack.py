@@ -15,7 +15,7 @@ from gguf_blocks import write_random_gguf
 from tiny import make_tiny_model
 
 from engine.config import SpeculativeConfig
-from engine.kernels import gguf_ops
+from engine.kernels import attention_ops, gguf_ops
 from engine.model import decoder_stack
 from engine.model.loader import load_model
 from engine.model.runner import ForwardInput, ModelRunner
@@ -153,3 +153,88 @@ def test_engine_output_with_and_without_the_stack(
 def test_no_stack_where_a_linear_layer_is_not_gguf(tiny_model_dir: Path) -> None:
     runner = ModelRunner(load_model(str(tiny_model_dir), "none"), "cpu", "float32", 16)
     assert runner.model.native_stack is None
+
+
+def _count_stack_calls(stack: decoder_stack.NativeStack, calls: list[bool]) -> None:
+    """Record each native call, True where it carried a draft tree's bits (its last argument)."""
+    forward = stack.stack.forward
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(args[-1] is not None)
+        return forward(*args)  # type: ignore[no-any-return]
+
+    stack.stack = type("Wrapped", (), {"forward": staticmethod(counted)})  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_equals_the_python_loop_for_a_tree_verify(
+    tiny_gguf: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft tree's verify (two branches, beside a chain verify and a decode) takes the native
+    stack, its rows' ancestors as the kernel's tree bits, bit for bit the Python loop's, whose
+    attention takes the native kernel with the same bits."""
+    runner = _runner(tiny_gguf, dtype)
+    stack = runner.model.native_stack
+    assert stack is not None
+    prompt = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    runner.forward([ForwardInput(prompt, 0, [0, 1, 2, 3], 1)])
+    runner.forward([ForwardInput(prompt[:20], 0, [4, 5], 0)])
+    inputs = [
+        ForwardInput([7, 8, 9, 10, 11, 12, 13], 40, [0, 1, 2, 3], 7, 6, (-1, 0, 1, -1, 3, 0)),
+        ForwardInput([5, 6, 7], 20, [4, 5], 3, 2),
+        ForwardInput([9], 39, [6, 7, 8], 1),
+    ]
+    runner.forward([ForwardInput(prompt[:39], 0, [6, 7, 8], 0)])
+    calls: list[bool] = []
+    _count_stack_calls(stack, calls)
+    kernel_bits: list[bool] = []
+    paged = attention_ops.paged_attention
+
+    def counted_kernel(*args: object, **kw: object) -> torch.Tensor:
+        kernel_bits.append(kw.get("tree_bits") is not None)
+        return paged(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention_ops, "paged_attention", counted_kernel)
+    python_logits, python_caches, native_logits, native_caches = _both_ways(runner, inputs)
+    assert kernel_bits == [True] * 3  # the Python loop: the kernel with bits in each layer
+    assert calls == [True]  # then the native stack, once, with them
+    assert torch.equal(python_logits, native_logits)
+    assert all(torch.equal(a, b) for a, b in zip(python_caches, native_caches, strict=True))
+    # the first path's rows (at their own positions) are the chain verify's of that path
+    chain = runner.forward([ForwardInput([7, 8, 9, 10], 40, [0, 1, 2, 3], 4, 3)])
+    assert calls == [True, False]
+    assert torch.equal(native_logits[:4], chain)
+
+
+def _ambiguous_prompts(n: int, seed: int = 5) -> list[list[int]]:
+    """Text over a few tokens, so each n-gram recurs with different continuations (trees)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        alphabet = torch.randperm(290, generator=gen)[:4] + 3
+        picks = torch.randint(0, 4, (20 + 5 * i,), generator=gen)
+        prompts.append(alphabet[picks].tolist())
+    return prompts
+
+
+def test_engine_greedy_under_trees_on_the_native_stack(tiny_gguf: Path) -> None:
+    """n-gram trees on the GGUF target in bfloat16: the greedy text is plain decoding's, and
+    the tree verifies run the one-call native stack with their bits."""
+    prompts = _ambiguous_prompts(4)
+    plain = make_engine(tiny_gguf, quantization="gguf", dtype="bfloat16", block_size=16)
+    reference = outputs(plain, prompts, greedy(16))
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=6, ngram_min=1, ngram_max=3, adaptive=False,
+        tree_width=3,
+    )  # fmt: skip
+    engine = make_engine(
+        tiny_gguf, quantization="gguf", dtype="bfloat16", block_size=16, speculative=spec
+    )
+    stack = engine.target.model.native_stack
+    assert stack is not None
+    calls: list[bool] = []
+    _count_stack_calls(stack, calls)
+    seqs = engine.generate(prompts, greedy(16))
+    assert [s.output_token_ids for s in seqs] == reference
+    assert sum(calls) > 0  # tree verifies took the stack
+    assert sum(s.spec.num_accepted_tokens for s in seqs) > 0

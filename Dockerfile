@@ -59,6 +59,7 @@ COPY bench ./bench
 COPY specserve ./specserve
 COPY tools ./tools
 COPY configs ./configs
+COPY heads ./heads
 RUN pip install --no-deps . && rm -rf build *.egg-info
 
 USER specserve

@@ -13,6 +13,8 @@ from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.kv_sizing import num_kv_blocks
 from engine.core.scheduler import Scheduler
+from engine.kernels import gguf_ops
+from engine.model import bundled
 from engine.model import device as devices
 from engine.model.eagle3 import load_eagle3_head
 from engine.model.hybrid import HybridDecoderModel
@@ -406,17 +408,24 @@ class LLMEngine:
         log.info("loading EAGLE-3 head %s", path)
         model = self.target.model
         head = load_eagle3_head(
-            path,
+            str(bundled.head_folder(path)),
             model.embed_tokens,
             model.shape.hidden_size,
             model.shape.vocab_size,
             self.max_model_len,
             self.target.device,
             self.target.dtype,
+            native=self._native_head(),
         )
         self.target.keep_aux_hidden(head.config.aux_layers(model.shape.num_layers))
         self._eagle3 = Eagle3Proposer(head, self.target, self._tree_width)
         return self._eagle3
+
+    def _native_head(self) -> bool:
+        """An EAGLE-3 head on the native kernels (Q8_0) where the draft's quantization would put
+        a draft model's blocks there: a CPU with the kernels, `gguf` or `auto`."""
+        native = self.config.draft_quantization in ("gguf", "auto") and gguf_ops.available()
+        return native and self.target.device.type == "cpu"
 
     def _mtp_proposer(self) -> Eagle3Proposer:
         """The target's own MTP layer, from its checkpoint, reading its final hidden states."""

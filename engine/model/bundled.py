@@ -297,6 +297,25 @@ def ensure(model: BundledModel, root: Path) -> Path:
     return path
 
 
+# --- EAGLE-3 heads shipped in the repository -------------------------------------------
+
+# Heads trained here (tools.train_eagle3) live in the repository's heads/ folder, small enough
+# to ship with it; `bundled:<name>` names one. Each has a SHA256SUMS that engine/model/eagle3.py
+# checks when it loads.
+HEADS_DIR = Path(__file__).resolve().parents[2] / "heads"
+
+
+def head_folder(spec: str) -> Path:
+    """An EAGLE-3 head's folder: `bundled:<name>` one of heads/, anything else a path."""
+    if not spec.startswith("bundled:"):
+        return Path(spec).expanduser()
+    folder = HEADS_DIR / spec.removeprefix("bundled:")
+    if not (folder / "config.json").is_file():
+        known = ", ".join(sorted(p.parent.name for p in HEADS_DIR.glob("*/config.json")))
+        raise ValueError(f"no shipped EAGLE-3 head {spec!r}; shipped: {known or 'none'}")
+    return folder
+
+
 # --- public API -------------------------------------------------------------------------
 
 

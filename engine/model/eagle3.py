@@ -197,22 +197,22 @@ class Eagle3Head(nn.Module):
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         table = self.embed_tokens if self.embed_tokens is not None else self.target_embed[0]
-        return table(token_ids).to(self.fc.weight.dtype)
+        return table(token_ids).to(self.norm.weight.dtype)
 
     @property
     def device(self) -> torch.device:
-        return self.fc.weight.device
+        return self.norm.weight.device
 
     @property
     def feature_width(self) -> int:  # the target's three kept streams
         return 3 * self.config.target_hidden_size
 
     def new_cache(self) -> HeadCache:
-        c, weight = self.config, self.fc.weight
+        c, weight = self.config, self.norm.weight
         return HeadCache(c.num_kv_heads, c.head_dim, weight.dtype, weight.device)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:  # [T, 3 * target_hidden] -> [T, hidden]
-        return self.fc(aux.to(self.fc.weight.dtype))
+        return self.fc(aux.to(self.norm.weight.dtype))
 
     def forward(
         self,
@@ -278,6 +278,7 @@ def load_eagle3_head(
     max_positions: int,
     device: torch.device,
     dtype: torch.dtype,
+    native: bool = False,  # its linear layers as Q8_0 blocks on the native kernels (CPU)
 ) -> Eagle3Head:
     folder = Path(path)
     config = Eagle3Config.read(folder)
@@ -302,7 +303,44 @@ def load_eagle3_head(
     except RuntimeError as e:
         raise ValueError(f"{folder}: not the EAGLE-3 head's weights: {e}") from None
     head.target_ids = _target_ids(config, d2t, t2d).to(device)
+    if native:
+        to_native(head, dtype)
     return head.requires_grad_(False).eval()
+
+
+class NativeLinear(nn.Module):
+    """A head's linear layer on the native GGUF kernel, its weight rounded to Q8_0 blocks: half
+    the bytes of bfloat16 a step reads (the drafts are verified, so their rounding costs
+    acceptance at most, never correctness)."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        import gguf
+
+        from engine.model.quant.formats import GgufBlocks
+        from engine.model.quant.native import GgufKernel
+
+        q8_0 = gguf.GGMLQuantizationType.Q8_0
+        rows = gguf.quants.quantize(linear.weight.detach().float().cpu().numpy(), q8_0)
+        weight = GgufBlocks(torch.from_numpy(rows), int(q8_0), linear.in_features, "Q8_0")
+        self.kernel = GgufKernel(weight, dtype)
+        self.bias = linear.bias
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        y = self.kernel.native(x.reshape(-1, x.shape[-1])).to(self.dtype)
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def to_native(head: nn.Module, dtype: torch.dtype) -> None:
+    """Every nn.Linear of the head (fc, the layer's projections, lm_head) as a NativeLinear."""
+    for name, module in list(head.named_modules()):
+        if isinstance(module, nn.Linear) and module.in_features % 32 == 0:
+            parent, _, attr = name.rpartition(".")
+            setattr(
+                head.get_submodule(parent) if parent else head, attr, NativeLinear(module, dtype)
+            )
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -271,3 +271,24 @@ def test_cli_list_fetch_path(
     assert capsys.readouterr().out.strip() == str(expected)
     assert _run(["models", "list"]) == 0
     assert "cached" in capsys.readouterr().out
+
+
+def test_the_shipped_eagle3_head_resolves_and_its_sums_hold() -> None:
+    """`bundled:<head>` names a folder of heads/; its SHA256SUMS matches its files, the config
+    is the public format's, and the weights are int8 rows with their scales."""
+    from safetensors import safe_open
+
+    from engine.model.eagle3 import Eagle3Config, check_sha256sums
+
+    folder = bundled.head_folder("bundled:qwen2.5-coder-1.5b-eagle3")
+    assert folder == bundled.HEADS_DIR / "qwen2.5-coder-1.5b-eagle3"
+    check_sha256sums(folder)  # raises on a mismatch
+    listed = {line.split()[1] for line in (folder / "SHA256SUMS").read_text().splitlines()}
+    assert listed == {"config.json", "model.safetensors"}
+    config = Eagle3Config.read(folder)
+    assert (config.hidden_size, config.draft_vocab_size, config.vocab_size) == (1536, 8192, 151936)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert f.get_slice("fc.weight").get_dtype() == "I8" and "fc.weight_scale" in f.keys()
+    assert bundled.head_folder("/some/path") == Path("/some/path")
+    with pytest.raises(ValueError, match="shipped: qwen2.5-coder-1.5b-eagle3"):
+        bundled.head_folder("bundled:no-such-head")

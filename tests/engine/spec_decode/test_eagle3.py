@@ -22,14 +22,11 @@ import numpy as np
 import pytest
 import torch
 from engine_utils import chi_square_pvalue, greedy, hf_model, make_engine, outputs, random_prompts
-from gguf import GGMLQuantizationType as Q
-from gguf_blocks import write_random_gguf
 from safetensors.torch import load_file, save_file
 from tiny import make_tiny_model
 
 from engine.config import SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
-from engine.kernels import gguf_ops
 from engine.model.eagle3 import Eagle3Config, HeadSpan, load_eagle3_head
 from engine.model.runner import ForwardInput
 from engine.sample.sampling_params import SamplingParams
@@ -471,23 +468,3 @@ def test_planned_drafts_stay_lossless_and_price_the_head(
     )
     drafted, accepted = _drafted(seqs)
     assert accepted > 0 and drafted > 0
-
-
-@pytest.mark.skipif(not gguf_ops.available(), reason="native kernels not built")
-def test_a_gguf_target_keeps_its_native_stack_and_changes_no_output(tmp_path: Path) -> None:
-    """With eagle3 the target's decodes and verifies still take the one-call native layer stack,
-    which now keeps the streams the head reads, and the output is plain decoding's."""
-    src = make_tiny_model(tmp_path / "src", hidden_size=256, intermediate_size=512, num_layers=3)
-    target = tmp_path / "tiny.gguf"
-    write_random_gguf(target, src, [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_0])
-    head = write_head(tmp_path / "head", src, list(range(0, 300, 3)))
-    kw: dict[str, object] = dict(quantization="gguf", dtype="bfloat16", block_size=16)
-    plain = make_engine(target, **kw)
-    assert plain.target.model.native_stack is not None
-    engine = eagle3_engine(target, head, **kw)
-    prompts = random_prompts(4, (5, 30), 300, seed=3)
-    seqs = engine.generate(prompts, greedy(MAX_TOKENS))
-    assert [s.output_token_ids for s in seqs] == outputs(plain, prompts, greedy(MAX_TOKENS))
-    assert _drafted(seqs)[0] > 0
-    stack = engine.target.model.native_stack
-    assert stack is not None and stack.aux_layers == engine.target.model.aux_layers  # it ran

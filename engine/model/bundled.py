@@ -309,11 +309,14 @@ def head_folder(spec: str) -> Path:
     """An EAGLE-3 head's folder: `bundled:<name>` one of heads/, anything else a path."""
     if not spec.startswith("bundled:"):
         return Path(spec).expanduser()
-    folder = HEADS_DIR / spec.removeprefix("bundled:")
-    if not (folder / "config.json").is_file():
-        known = ", ".join(sorted(p.parent.name for p in HEADS_DIR.glob("*/config.json")))
-        raise ValueError(f"no shipped EAGLE-3 head {spec!r}; shipped: {known or 'none'}")
-    return folder
+    # beside the package in a checkout; in the working directory where the package is installed
+    # apart from it (the Docker image's /app)
+    roots = (HEADS_DIR, Path.cwd() / "heads")
+    for root in roots:
+        if (root / spec.removeprefix("bundled:") / "config.json").is_file():
+            return root / spec.removeprefix("bundled:")
+    known = sorted({p.parent.name for root in roots for p in root.glob("*/config.json")})
+    raise ValueError(f"no shipped EAGLE-3 head {spec!r}; shipped: {', '.join(known) or 'none'}")
 
 
 # --- public API -------------------------------------------------------------------------

@@ -194,7 +194,7 @@ def test_dockerfile_copies_what_the_package_needs(dockerfile: str) -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = [p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]]
     copied = {ln.split()[1] for ln in _instructions(dockerfile) if ln.startswith("COPY ")}
-    for needed in (*packages, "configs", project["project"]["readme"]):
+    for needed in (*packages, "configs", "heads", project["project"]["readme"]):
         assert needed in copied, needed
         assert (ROOT / needed).exists(), needed
     ignored = (ROOT / ".dockerignore").read_text().split()

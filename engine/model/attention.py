@@ -10,17 +10,15 @@ share one group, each long query gets its own.
 Long queries go through SDPA. A long query's request whose blocks are one consecutive run of the
 pool (the usual case: a prompt's blocks are allocated together) attends to zero-copy views of the
 pool instead of a gathered copy (`first_block`); SDPA reads the same values, so the result is the
-same. Short ones use eager attention (two batched matmuls, the query
-heads of a KV head stacked as rows): CPU SDPA kernels are 10-40x slower for a batch of
-one-token queries. On a CPU without native bf16 dot products (AVX2) those matmuls run in
+same. Short ones use eager attention (two batched matmuls, the query heads of a KV head stacked
+as rows): CPU SDPA kernels are 10-40x slower for a batch of one-token queries. On a CPU without native bf16 dot products (AVX2) those matmuls run in
 float32, 5-10x faster there than bf16 (16 decodes at 300 tokens of context: a 1.5B step
 1131 -> 630 ms). The pool is head-major, `[kv_heads, num_blocks, block_size, head_dim]` per
 layer for K and for V, so one gather gives contiguous `[kv_heads, batch, len, head_dim]` keys.
 
 On the CPU, short groups skip the gather: the native kernel (engine.kernels.attention_ops)
-reads K and V in place through the block tables, when the kernel library is loaded. A draft
-tree's group too: each row's ancestors among the pass's tokens go to the kernel as bits
-(`AttentionGroup.tree_bits`), the same mask `_with_tree_masks` puts in the gathered path's bias.
+reads K and V in place through the block tables, when the kernel library is loaded; a draft
+tree's rows see their ancestors by bits (`AttentionGroup.tree_bits`, `_with_tree_masks`'s mask).
 
 Sliding-window layers (Gemma 3's local layers) see the same forward through `meta.sliding`:
 groups whose masks also hide keys at or before `p - window` from the query at position p, and
@@ -86,8 +84,8 @@ class AttentionGroup:
     # a sliding-window layer's group: the query at p sees keys (p - window, p]; its block tables
     # start at each request's first block the window reaches (`_blocks_before_window`)
     window: int | None = None
-    # A short group with a draft tree, for the native kernel: [group_tokens] int64, bit i of a
-    # row set where it sees its request's i-th token of this pass (`_tree_bits`); None: causal.
+    # a draft tree's rows for the native kernel: bit i of a row's int64 where it sees its request's
+    # i-th token of this pass (`_tree_bits`); None: causal
     tree_bits: torch.Tensor | None = None
 
 
@@ -200,8 +198,7 @@ def _build_group(
         mask = _with_tree_masks(mask, run)
     if short and mask is not None:
         mask = _bias(mask)
-    # the native kernel attends causally within the group's window (tables starting where
-    # `_blocks_before_window` says), and a tree's rows to their ancestors by their bits
+    # native: causal within the window (tables from `_blocks_before_window`), a tree by its bits
     native = short
     bits = _tree_bits(run) if native and trees else None
     return AttentionGroup(
@@ -290,8 +287,8 @@ def _tree_bits(run: list[RequestSpan]) -> torch.Tensor:  # [group_tokens] int64
     pass's i-th token): a tree's ancestors and itself, a chain's tokens up to its own."""
     rows = []
     for span in run:
-        n = span.num_tokens
-        mask = span.tree_mask if span.tree_mask is not None else torch.ones(n, n).tril_().bool()
+        n, mask = span.num_tokens, span.tree_mask
+        mask = mask if mask is not None else torch.ones(n, n).tril_().bool()
         rows.append((mask.long() << torch.arange(n)).sum(-1))  # bit 63 wraps to int64's sign
     return torch.cat(rows)
 

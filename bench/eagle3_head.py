@@ -5,9 +5,10 @@
 
 Two engines on the same target (the launch config's models, quantization and threads): the
 config's (its speculation, e.g. the 0.5B draft with n-gram lookups) and the same config with
-`speculative_method: eagle3` and the head. Modes, in an order that reverses every round: `plain`
-(no drafts), `config` (the config's speculation, adaptive), `eagle3` (the head, adaptive) and
-`eagle3 k=K` (the head drafting K every step, no planner: its raw acceptance). Prompts are the
+`speculative_method: hybrid-eagle3` and the head. Modes, in an order that reverses every round:
+`plain` (no drafts), `config` (the config's speculation, adaptive), `hybrid-eagle3` (an n-gram
+match where the planner prices it higher, else the head), `eagle3` (the head alone, adaptive)
+and `eagle3 k=K` (the head alone drafting K every step, no planner: its raw acceptance). Prompts are the
 bench's held-out ones (`load_category(..., seed 0)`, never trained on: tools/eagle3_data.py) and
 each is put in both engines' prefix caches first. Greedy, so every mode must emit plain's tokens;
 the report says whether they did.
@@ -35,6 +36,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.model.runner import ForwardInput
 from engine.sample.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.spec_decode.proposers.forced import ForcedDraftProposer
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Mode:
     name: str
     engine: LLMEngine
     k: int | None  # None: the config's k ceiling, the planner on; else fixed k, no planner
+    head_alone: bool = False  # the hybrid-eagle3 engine's head without its n-gram proposer
 
 
 @dataclass
@@ -72,16 +75,20 @@ def _add(into: list[int], more: list[int]) -> None:
 def run(mode: Mode, prompts: list[list[int]], max_tokens: int) -> tuple[list[Sequence], float]:
     """One prompt at a time (c = 1), each mode's planner or fixed k."""
     engine = mode.engine
-    saved = engine.planner
+    saved = engine.planner, engine.proposer, engine._ngram
     if mode.k is not None:
         engine.planner = engine.scheduler.planner = None
+    if mode.head_alone:
+        assert engine._eagle3 is not None
+        engine.proposer, engine._ngram = ForcedDraftProposer(engine._eagle3), None
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=mode.k)
     seqs, started = [], time.perf_counter()
     try:
         for prompt in prompts:
             seqs += engine.generate([prompt], params)
     finally:
-        engine.planner = engine.scheduler.planner = saved
+        engine.planner, engine.proposer, engine._ngram = saved
+        engine.scheduler.planner = engine.planner
     return seqs, time.perf_counter() - started
 
 
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = LLMEngine(config)
     spec = replace(
         config.speculative,
-        method="eagle3",
+        method="hybrid-eagle3",
         draft_model=args.head,
         num_speculative_tokens=ceiling,
     )
@@ -133,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = [
         Mode("plain", ours, 0),
         Mode("config", ours, None),
-        Mode("eagle3", eagle, None),
-        *([Mode(f"eagle3 k={args.fixed_k}", eagle, args.fixed_k)] if args.fixed_k else []),
+        Mode("hybrid-eagle3", eagle, None),
+        Mode("eagle3", eagle, None, head_alone=True),
+        *([Mode(f"eagle3 k={args.fixed_k}", eagle, args.fixed_k, True)] if args.fixed_k else []),
     ]
     for category in csv_list(args.categories):
         prompts = [token_ids(ours, p) for p in load_category(category, args.num_prompts, {})]
@@ -160,7 +168,7 @@ def report(category: str, tallies: dict[str, Tally]) -> None:
         same = t.outputs == tallies["plain"].outputs
         print(f"  {name} | {rate:.2f} | {rate / plain:.2f} | {per_pass:.2f} | {same}")
     for name, t in tallies.items():
-        if name.startswith("eagle3") and t.drafted_per_pos:
+        if "eagle3" in name and t.drafted_per_pos:
             rates = [
                 a / d if d else 0.0
                 for a, d in zip(t.accepted_per_pos, t.drafted_per_pos, strict=True)

@@ -5,7 +5,6 @@ server, and real runs where `make llama-server` has built the binary."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from test_bench import FakeServer, _bench, _tiny_config, _write_datasets, fake_server
-from test_llamacpp_peer import FakeLlamaCpp, _serving, _sse
+from test_llamacpp_peer import FakeLlamaCpp, _sse, launch_in_process
 
 from bench.serving import llama_server, llamacpp
 from bench.serving.client import RequestSettings
@@ -159,18 +158,9 @@ class FakeLlamaServer(FakeLlamaCpp):
 def fake_llama_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[tuple[FakeLlamaServer, list[Any]]]:
-    fake, launched = FakeLlamaServer(), []
-
-    @contextlib.contextmanager
-    def launch(server: Any, log_path: Path, timeout_s: float) -> Iterator[str]:
-        launched.append(server)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("system_info: n_threads = 2 | CPU : AVX2 = 1 | AVX512 = 1 | \n")
-        with _serving(fake.app()) as url:
-            yield url
-
-    monkeypatch.setattr(llamacpp, "launched_llamacpp", launch)
-    yield fake, launched
+    fake = FakeLlamaServer()
+    log = "system_info: n_threads = 2 | CPU : AVX2 = 1 | AVX512 = 1 | \n"
+    yield fake, launch_in_process(monkeypatch, fake.app(), log)
 
 
 def test_bench_with_llama_server_draft_peer(

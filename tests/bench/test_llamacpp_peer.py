@@ -212,19 +212,28 @@ def test_send_counts_tokens_by_delta_or_by_length() -> None:
 @pytest.fixture
 def fake_llamacpp(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeLlamaCpp, list[Any]]]:
     """The launcher stubbed: it records the server it was asked for and serves the fake."""
-    fake, launched = FakeLlamaCpp(), []
+    fake = FakeLlamaCpp()
+    log = "CPU : AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 0 |\n"
+    launched = launch_in_process(monkeypatch, fake.app(), log)
+    monkeypatch.setattr(llamacpp, "installed", lambda: True)
+    yield fake, launched
+
+
+def launch_in_process(monkeypatch: pytest.MonkeyPatch, app: Any, log_line: str) -> list[Any]:
+    """`llamacpp.launched_llamacpp` replaced: `app` served in this process, its log one line;
+    returns the list the launched servers are appended to."""
+    launched: list[Any] = []
 
     @contextlib.contextmanager
     def launch(server: Any, log_path: Path, timeout_s: float) -> Iterator[str]:
         launched.append(server)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("CPU : AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 0 |\n")
-        with _serving(fake.app()) as url:
+        log_path.write_text(log_line)
+        with _serving(app) as url:
             yield url
 
-    monkeypatch.setattr(llamacpp, "installed", lambda: True)
     monkeypatch.setattr(llamacpp, "launched_llamacpp", launch)
-    yield fake, launched
+    return launched
 
 
 def test_bench_with_llamacpp_peer(

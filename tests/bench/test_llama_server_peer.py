@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from test_bench import FakeServer, _bench, _tiny_config, _write_datasets, fake_server
-from test_llamacpp_peer import FakeLlamaCpp, _sse, launch_in_process
+from test_llamacpp_peer import FakeLlamaCpp, _sse, bench_a_real_peer, launch_in_process
 
 from bench.serving import llama_server, llamacpp
 from bench.serving.client import RequestSettings
@@ -249,19 +249,8 @@ def test_bench_against_real_llama_server_on_a_tiny_gguf(
     gguf = make_tiny_gguf(tmp_path / "tiny.gguf")
     draft = make_tiny_gguf(tmp_path / "draft.gguf", seed=1, num_layers=1)
     config = _tiny_config(tmp_path / "tiny.yaml", gguf, tiny_draft_dir)
-    code, chat = _write_datasets(tmp_path)
-    out = tmp_path / "out"
-    argv = ["--launch", str(config), "--dataset", f"code={code}", "--dataset", f"chat={chat}"]
-    argv += ["--concurrency", "1", "--num-prompts", "2", "--max-tokens", "8", "--ignore-eos"]
-    argv += ["--peer", "llama-server-draft", "--peer-draft-model", str(draft)]
-    assert _bench([*argv, "--peer-threads", "1", "--out", str(out)]) == 0
-    rows = json.loads((out / "results.json").read_text())
-    peer = {r["category"]: r for r in rows if r["mode"] == "llama-server-draft"}
-    assert set(peer) == {"code", "chat"}
-    for row in peer.values():
-        assert row["num_errors"] == 0 and row["output_tokens"] == 8 * 2
-        assert row["decode_tokens_per_s"] > 0
-    meta = json.loads((out / "meta.json").read_text())
+    args = ["--peer", "llama-server-draft", "--peer-draft-model", str(draft)]
+    meta, report = bench_a_real_peer(tmp_path, config, args, "llama-server-draft")
     assert meta["llamacpp_gguf"] == str(gguf) and meta["llamacpp_threads"] == 1
     assert f"-md {draft}" in meta["llamacpp_command"] and meta["llamacpp_build"]
-    assert "## specserve vs llama-server draft" in (out / "report.md").read_text()
+    assert "## specserve vs llama-server draft" in report

@@ -360,18 +360,26 @@ def test_bench_against_real_llamacpp_on_a_tiny_gguf(tmp_path: Path, tiny_draft_d
 
     gguf = make_tiny_gguf(tmp_path / "tiny.gguf")
     config = _tiny_config(tmp_path / "tiny.yaml", gguf, tiny_draft_dir)
+    meta, report = bench_a_real_peer(tmp_path, config, ["--peer", "llamacpp"], "llamacpp")
+    assert meta["llamacpp_gguf"] == str(gguf) and meta["llamacpp_threads"] == 1
+    assert meta["llamacpp_build"]  # what llama.cpp says it was built with
+    assert "## specserve vs llama.cpp" in report
+
+
+def bench_a_real_peer(
+    tmp_path: Path, config: Path, peer_args: list[str], mode: str
+) -> tuple[dict[str, Any], str]:
+    """`specserve bench --launch CONFIG` with a real llama.cpp peer on one thread, 2 prompts of
+    code and chat, 8 tokens: every peer row served all its tokens; the run's meta and report."""
     code, chat = _write_datasets(tmp_path)
     out = tmp_path / "out"
     argv = ["--launch", str(config), "--dataset", f"code={code}", "--dataset", f"chat={chat}"]
     argv += ["--concurrency", "1", "--num-prompts", "2", "--max-tokens", "8", "--ignore-eos"]
-    assert _bench([*argv, "--peer", "llamacpp", "--peer-threads", "1", "--out", str(out)]) == 0
+    assert _bench([*argv, *peer_args, "--peer-threads", "1", "--out", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())
-    peer = {r["category"]: r for r in rows if r["mode"] == "llamacpp"}
+    peer = {r["category"]: r for r in rows if r["mode"] == mode}
     assert set(peer) == {"code", "chat"}
     for row in peer.values():
         assert row["num_errors"] == 0 and row["output_tokens"] == 8 * 2
         assert row["decode_tokens_per_s"] > 0
-    meta = json.loads((out / "meta.json").read_text())
-    assert meta["llamacpp_gguf"] == str(gguf) and meta["llamacpp_threads"] == 1
-    assert meta["llamacpp_build"]  # what llama.cpp says it was built with
-    assert "## specserve vs llama.cpp" in (out / "report.md").read_text()
+    return json.loads((out / "meta.json").read_text()), (out / "report.md").read_text()

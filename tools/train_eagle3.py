@@ -15,7 +15,8 @@ The head's output side starts as the target's own (`--init-from-target`): its lm
 target's rows of the draft vocabulary and its final norm the target's, so training starts from
 the target's map of hidden states to tokens instead of learning one from a few hundred thousand
 tokens. The data (tools/eagle3_data.py) is the target's own answers to training prompts first,
-then offline code and docs; `--cache FILE` keeps the extracted features for a rerun.
+then offline code and docs; `--cache FILE` keeps the extracted features (and the answers, in
+FILE.answers.json) for a rerun.
 """
 
 from __future__ import annotations
@@ -327,21 +328,7 @@ def features(recipe: Recipe, loaded: LoadedModel, layer_ids: tuple[int, ...]) ->
     if cache is not None and cache.exists():
         print(f"features from {cache}", flush=True)
         return Features(**torch.load(cache))
-    answers = []
-    if recipe.answers:
-        from engine.core.llm_engine import LLMEngine
-        from server.settings import Settings
-
-        config = (
-            Settings.load(Path(recipe.answer_config)).engine_config()
-            if recipe.answer_config
-            else EngineConfig(model=recipe.target, dtype=recipe.dtype)  # type: ignore[arg-type]
-        )
-        engine = LLMEngine(config)
-        answers = target_answers(
-            engine, training_prompts(recipe.answers, recipe.seed), recipe.answer_tokens
-        )
-        del engine
+    answers = answered(recipe, cache)
     sources = [Path(s) for s in recipe.sources] or default_sources()
     chunks, files = token_chunks(
         loaded.tokenizer,
@@ -363,6 +350,31 @@ def features(recipe: Recipe, loaded: LoadedModel, layer_ids: tuple[int, ...]) ->
     if cache is not None:
         torch.save(asdict(data), cache)
     return data
+
+
+def answered(recipe: Recipe, cache: Path | None) -> list[list[int]]:
+    """The target's answers to `recipe.answers` training prompts (prompt ids, then the answer's),
+    kept beside the features' cache file (`.answers.json`) so that a rerun with other text or
+    token counts skips the slowest part."""
+    if not recipe.answers:
+        return []
+    kept = cache.with_suffix(".answers.json") if cache is not None else None
+    if kept is not None and kept.exists():
+        print(f"answers from {kept}", flush=True)
+        return list(json.loads(kept.read_text()))
+    from engine.core.llm_engine import LLMEngine
+    from server.settings import Settings
+
+    config = (
+        Settings.load(Path(recipe.answer_config)).engine_config()
+        if recipe.answer_config
+        else EngineConfig(model=recipe.target, dtype=recipe.dtype)  # type: ignore[arg-type]
+    )
+    prompts = training_prompts(recipe.answers, recipe.seed)
+    answers = target_answers(LLMEngine(config), prompts, recipe.answer_tokens)
+    if kept is not None:
+        kept.write_text(json.dumps(answers))
+    return answers
 
 
 def run(recipe: Recipe) -> tuple[Eagle3Head, Result]:

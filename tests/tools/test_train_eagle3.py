@@ -10,6 +10,7 @@ attention is the drafting's); and greedy output with the head equals plain decod
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,26 @@ def test_an_int8_head_loads_close_to_its_float_one_and_is_checked(
             str(packed), head.target_embed[0], 64, head.config.vocab_size, 256,
             torch.device("cpu"), torch.float32,
         )  # fmt: skip
+
+
+def test_answers_are_the_targets_greedy_text_and_kept_for_a_rerun(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--answers N`: the engine answers N training prompts greedily (prompt ids, then its own
+    tokens), and the answers are kept beside the features' cache for the next run."""
+    import tools.train_eagle3 as train
+    from bench.serving.datasets import Prompt
+
+    prompts = [Prompt("code", "a", prompt="def add(a, b):"), Prompt("code", "b", prompt="x = [")]
+    monkeypatch.setattr(train, "training_prompts", lambda count, seed: prompts[:count])
+    base = recipe(tiny_model_dir, tmp_path / "out", steps=1)
+    r = replace(base, answers=2, answer_tokens=5, dtype="float32")
+    cache = tmp_path / "features.pt"
+    answers = train.answered(r, cache)
+    engine = make_engine(tiny_model_dir)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        ids = list(engine.tokenizer.encode(prompt.prompt))
+        assert answer[: len(ids)] == ids and len(answer) == len(ids) + 5
+        assert answer[len(ids) :] == outputs(engine, [ids], greedy(5))[0]
+    monkeypatch.setattr(train, "target_answers", None)  # a rerun must not generate again
+    assert train.answered(r, cache) == answers

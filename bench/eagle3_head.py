@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 
 from bench.engine_args import cpu_flags
+from bench.quant_forward import forward_ms
 from bench.serving.datasets import load_category
 from bench.serving.options import csv_list
 from bench.spec_grid import token_ids
 from engine.core.llm_engine import LLMEngine
-from engine.model.runner import ForwardInput
 from engine.sample.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec_decode.proposers.forced import ForcedDraftProposer
@@ -92,22 +92,12 @@ def run(mode: Mode, prompts: list[list[int]], max_tokens: int) -> tuple[list[Seq
     return seqs, time.perf_counter() - started
 
 
-def forward_ms(engine: LLMEngine, rounds: int = 5) -> tuple[float, float]:
-    """Median one-row forward of the target (after 64 cached tokens) and of the head (catch-up
-    of one row and its logits), ms."""
+def step_ms(engine: LLMEngine, rounds: int = 5) -> tuple[float, float]:
+    """Median one-row forward of the target (after 64 cached tokens, bench.quant_forward's) and
+    of the head (catch-up of one row and its logits), ms."""
     assert engine._eagle3 is not None
-    target, table = (
-        engine.target,
-        list(range(engine.block_manager.num_blocks - 5, engine.block_manager.num_blocks)),
-    )
-    target.forward([ForwardInput(list(range(100, 164)), 0, table, 0)])
-    times = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        target.forward([ForwardInput([7], 64, table, 1)])
-        times.append(time.perf_counter() - started)
     head = engine._eagle3.calibrate([1], rounds)[0][1]
-    return statistics.median(times) * 1000, head * 1000
+    return forward_ms(engine.target, 1, rounds), head * 1000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     eagle = LLMEngine(replace(config, speculative=spec))
     print(f"CPU: {cpu_flags()}; threads {torch.get_num_threads()}", flush=True)
-    target_ms, head_ms = forward_ms(eagle)
+    target_ms, head_ms = step_ms(eagle)
     print(f"one-row forward: target {target_ms:.1f} ms, head {head_ms:.2f} ms "
           f"({head_ms / target_ms:.3f} of a target step)", flush=True)  # fmt: skip
     modes = [

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from bench.serving.datasets import Prompt, load_category
 from bench.serving.options import csv_list
+from bench.serving.peers import prompt_ids
 from engine.core.llm_engine import LLMEngine
 from engine.sample.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -102,13 +103,8 @@ class Switch:
 
 
 def token_ids(engine: LLMEngine, prompt: Prompt) -> list[int]:
-    tok = engine.tokenizer
-    if prompt.prompt is not None:
-        return list(tok.encode(prompt.prompt))
-    text = tok.apply_chat_template(
-        prompt.message_dicts(), add_generation_prompt=True, tokenize=False
-    )
-    return list(tok.encode(str(text), add_special_tokens=False))
+    """The prompt as the server tokenizes it, with the engine's tokenizer."""
+    return prompt_ids(engine.tokenizer, prompt)
 
 
 @dataclass(frozen=True)

@@ -60,8 +60,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:
             raise ValueError(
-                "speculative method must be none, draft, ngram, hybrid, eagle3, hybrid-eagle3 or mtp, "
-                f"not {self.method!r}"
+                f"speculative method must be one of {', '.join(PROPOSERS)}, not {self.method!r}"
             )
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")

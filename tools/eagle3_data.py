@@ -108,16 +108,6 @@ def training_prompts(count: int, seed: int) -> list[Any]:  # bench.serving.datas
     return picked
 
 
-def prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
-    """A bench prompt as the server tokenizes it: raw for completions, else the chat template."""
-    if prompt.prompt is not None:
-        return list(tokenizer.encode(prompt.prompt))
-    text = tokenizer.apply_chat_template(
-        prompt.message_dicts(), add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer.encode(str(text), add_special_tokens=False))
-
-
 def target_answers(
     engine: Any,  # engine.core.llm_engine.LLMEngine of the target
     prompts: list[Any],
@@ -125,6 +115,7 @@ def target_answers(
     batch: int = 16,
 ) -> list[list[int]]:  # each prompt's ids followed by the target's greedy answer
     """The target's own greedy answers, `batch` prompts at a time, with progress."""
+    from bench.serving.peers import prompt_ids
     from engine.sample.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)

@@ -22,7 +22,6 @@ FILE.answers.json) for a rerun.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -34,6 +33,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.model.bundled import sha256_file
 from engine.model.decoder import RMSNorm
 from engine.model.eagle3 import Eagle3Config, Eagle3Head, quantized_int8
 from engine.model.loader import LoadedModel, load_model
@@ -77,9 +77,7 @@ class Recipe:
     answer_tokens: int = 192  # the longest answer
     answer_config: str = ""  # the engine that answers (a settings file); "": the target, plain
     init_from_target: bool = True  # lm_head rows and final norm start as the target's
-    head_lr_scale: float = (
-        0.1  # the lm_head's learning rate, relative, when it starts as the target's
-    )
+    head_lr_scale: float = 0.1  # the lm_head's relative learning rate where init_from_target
     cache: str = ""  # a file for the extracted features: read if there, else written
     dtype: str = "bfloat16"  # the target's activations while features are extracted
 
@@ -266,11 +264,11 @@ def evaluate(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Rec
 def train(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Recipe) -> Result:
     """AdamW over seeded batches of chunks until `steps` or the time budget, bf16 autocast."""
     params = [p for p in head.parameters() if p.requires_grad]
-    out = {id(head.lm_head.weight)}
+    lm_head = head.lm_head.weight
     scale = recipe.head_lr_scale if recipe.init_from_target else 1.0
     groups = [
-        {"params": [p for p in params if id(p) not in out], "lr": recipe.lr},
-        {"params": [head.lm_head.weight], "lr": recipe.lr * scale},
+        {"params": [p for p in params if p is not lm_head], "lr": recipe.lr},
+        {"params": [lm_head], "lr": recipe.lr * scale},
     ]
     opt = torch.optim.AdamW(groups, lr=recipe.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))  # warm-up
@@ -318,7 +316,7 @@ def save_head(head: Eagle3Head, folder: Path, draft_ids: torch.Tensor, dtype: st
     )
     save_file(weights, str(folder / "model.safetensors"))
     files = ("config.json", "model.safetensors")
-    sums = [f"{hashlib.sha256((folder / f).read_bytes()).hexdigest()}  {f}" for f in files]
+    sums = [f"{sha256_file(folder / f)}  {f}" for f in files]
     (folder / "SHA256SUMS").write_text("\n".join(sums) + "\n")
 
 

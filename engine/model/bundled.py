@@ -311,10 +311,10 @@ def head_folder(spec: str) -> Path:
         return Path(spec).expanduser()
     # beside the package in a checkout; in the working directory where the package is installed
     # apart from it (the Docker image's /app)
-    roots = (HEADS_DIR, Path.cwd() / "heads")
+    name, roots = spec.removeprefix("bundled:"), (HEADS_DIR, Path.cwd() / "heads")
     for root in roots:
-        if (root / spec.removeprefix("bundled:") / "config.json").is_file():
-            return root / spec.removeprefix("bundled:")
+        if (root / name / "config.json").is_file():
+            return root / name
     known = sorted({p.parent.name for root in roots for p in root.glob("*/config.json")})
     raise ValueError(f"no shipped EAGLE-3 head {spec!r}; shipped: {', '.join(known) or 'none'}")
 

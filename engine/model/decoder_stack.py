@@ -58,7 +58,7 @@ class NativeStack:
         sliding = [int(s.is_sliding(i)) for i in range(s.num_layers)]
         self.stack = torch.classes.specserve_kernels.DecoderStack(
             tensors, layout, model.norm.weight, s.rms_norm_eps, s.num_heads, s.num_kv_heads,
-            s.head_dim, s.attention_scale, is_gemma(s), sliding, s.sliding_window or 0,
+            s.head_dim, s.attention_scale, self.gemma, sliding, s.sliding_window or 0,
         )  # fmt: skip
 
     def accepts(

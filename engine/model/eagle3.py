@@ -21,7 +21,6 @@ step writes the target's paged pool instead).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,9 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaConfig
 
+from engine.model.bundled import sha256_file
 from engine.model.decoder import RMSNorm
+from engine.model.quant.formats import quantize_int8
 from engine.model.rope import Rotary, apply_rope
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -380,9 +381,8 @@ def quantized_int8(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in weights.items():
         if t.dim() == 2 and t.is_floating_point() and name.endswith(".weight"):
-            scale = t.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
-            out[name] = (t.float() / scale).round().clamp(-127, 127).to(torch.int8)
-            out[name + "_scale"] = scale
+            rows = quantize_int8(t, scale_dtype=torch.float32)
+            out[name], out[name + "_scale"] = rows.q, rows.scale[:, None]
         else:
             out[name] = t
     return out
@@ -397,7 +397,7 @@ def check_sha256sums(folder: Path) -> None:
         if not line.strip():
             continue
         want, name = line.split(maxsplit=1)
-        digest = hashlib.sha256((folder / name.lstrip("*")).read_bytes()).hexdigest()
+        digest = sha256_file(folder / name.lstrip("*"))
         if digest != want:
             raise ValueError(f"{folder / name}: sha256 {digest}, SHA256SUMS says {want}")
 

@@ -266,7 +266,7 @@ class SpecPlanner:
         ngram = self._gains(state, "ngram", matched) if matched else None
         head = next((h for h in FEATURE_HEADS if item.k_for(h)), None)
         if head is not None:
-            return self._head_option(index, item, head, ngram, base_rows, batch_size)
+            return self._head_option(index, item, state, head, ngram, base_rows, batch_size)
         draft = self._gains(state, "draft", item.k_for("draft")) if item.k_for("draft") else None
         lag = seq.num_tokens - seq.num_draft_computed_tokens
         remaining = self.lengths.remaining(seq.num_output_tokens, seq.params.max_tokens)
@@ -297,6 +297,7 @@ class SpecPlanner:
         self,
         index: int,
         item: ScheduledSeq,
+        state: RequestSpecState,
         head: str,
         ngram: tuple[list[float], bool] | None,  # the request's n-gram match's gains, if any
         base_rows: int,
@@ -308,7 +309,7 @@ class SpecPlanner:
         (hybrid-eagle3) is taken instead where it gives the step more tokens per second."""
         own = None
         if item.num_new_tokens == 1:
-            own = self._gains(self.state_of(item.seq), head, item.k_for(head))
+            own = self._gains(state, head, item.k_for(head))
         if ngram and (
             own is None or self._ngram_pays_more(ngram[0], own[0], base_rows, batch_size)
         ):

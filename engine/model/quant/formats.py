@@ -110,10 +110,12 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
     return Int4Weight(q.clamp(0, 15).to(torch.uint8).view(n, k), scale, zero, group_size)
 
 
-def quantize_int8(w: torch.Tensor, source: str = "rtn") -> Int8Weight:
-    """Round to nearest, symmetric per output row."""
+def quantize_int8(
+    w: torch.Tensor, source: str = "rtn", scale_dtype: torch.dtype = torch.bfloat16
+) -> Int8Weight:
+    """Round to nearest, symmetric per output row (the scales stored in `scale_dtype`)."""
     w32 = w.float()
-    scale = (w32.abs().amax(1) / 127).clamp(min=1e-10).to(torch.bfloat16)
+    scale = (w32.abs().amax(1) / 127).clamp(min=1e-10).to(scale_dtype)
     q = torch.round(w32 / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
     return Int8Weight(q, scale, source)
 

@@ -16,7 +16,7 @@ target's rows of the draft vocabulary and its final norm the target's, so traini
 the target's map of hidden states to tokens instead of learning one from a few hundred thousand
 tokens. The data (tools/eagle3_data.py) is the target's own answers to training prompts first,
 then offline code and docs; `--cache FILE` keeps the extracted features (and the answers, in
-FILE.answers.json) for a rerun.
+FILE with the suffix .answers.json) for a rerun.
 """
 
 from __future__ import annotations

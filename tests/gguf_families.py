@@ -22,6 +22,7 @@ ARCH = {
     "smollm3": gguf.MODEL_ARCH.SMOLLM3,
     "olmo2": gguf.MODEL_ARCH.OLMO2,
     "glm4": gguf.MODEL_ARCH.GLM4,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
 }
 _LLAMA_PERMUTED = ("granite", "smollm3")  # LlamaModel subclasses: undo_permute = True
 
@@ -158,4 +159,5 @@ _METADATA = {
     "smollm3": lambda w, c: (_llama_like(w, c), _with_head_dim(w, c)),
     "olmo2": _with_head_dim,
     "glm4": _glm4,
+    "qwen3": _with_head_dim,
 }

@@ -31,9 +31,11 @@ import torch
 
 from engine.kernels import attention_ops, fused_ops
 from engine.model.attention import AttentionMetadata
+from engine.model.moe import MoE
 from engine.model.norms import RMSNorm
 from engine.model.quant.linear import QuantLinear
 from engine.model.quant.native import GgufKernel, native_chunk_limit
+from engine.model.quant.native_experts import ExpertBlocks, expert_blocks
 
 if TYPE_CHECKING:
     from engine.model.decoder import DecoderLayer, DecoderModel, KVCache
@@ -116,6 +118,8 @@ def build(model: DecoderModel) -> NativeStack | None:
         return None
     if not all(_gguf_only(linear) for layer in _layers(model) for linear in _linears(layer)):
         return None
+    if not all(_experts(layer) is not None for layer in _layers(model) if _routed(layer)):
+        return None
     log.info(
         "decode and verify forwards: %d layers in one native call (DecoderStack)", s.num_layers
     )
@@ -123,11 +127,23 @@ def build(model: DecoderModel) -> NativeStack | None:
 
 
 def is_llama(s: DecoderShape) -> bool:
-    """Llama's layer as layers.cpp computes it: no q/k norms, Gemma's norms or windows, layers
-    of one kind (not SmolLM3's), no residual scaling (Granite's), no norms after the sublayers
-    (GLM-4, OLMo 2), no experts or sinks."""
-    plain = not (s.qk_norm or s.norm_offset or s.sandwich_norms or s.attention_sinks)
-    return plain and s.layers_alike and s.residual_multiplier == 1.0 and s.moe is None
+    """Llama's layer as layers.cpp computes it: no Gemma's norms or windows, layers of one kind
+    (not SmolLM3's), no residual scaling (Granite's), no norms after the sublayers (GLM-4, OLMo
+    2), no sinks; Qwen3's q/k norms over each head, and Qwen3-MoE's routed MLPs, allowed."""
+    plain = not (s.norm_offset or s.sandwich_norms or s.attention_sinks or s.norm_late_round)
+    plain = plain and s.activation == "silu" and not (s.v_norm or s.layer_scalar)  # Gemma 4's
+    plain = plain and s.global_head_dim is None and not s.o_bias
+    qk = not s.qk_norm or not s.qk_norm_flat
+    one_kind = not s.layer_types and not s.no_rope_layers and s.pre_norms
+    return plain and qk and one_kind and s.residual_multiplier == 1.0 and _plain_moe(s)
+
+
+def _plain_moe(s: DecoderShape) -> bool:
+    """No routed MLP, or Qwen3-MoE's (softmax then top k, no bias, SiLU experts)."""
+    moe = s.moe
+    if moe is None:
+        return True
+    return not (moe.topk_then_softmax or moe.router_bias or moe.swiglu_limit is not None)
 
 
 def is_gemma(s: DecoderShape) -> bool:
@@ -155,10 +171,21 @@ def _layers(model: DecoderModel) -> list[DecoderLayer]:
     return list(model.layers)  # type: ignore[arg-type]
 
 
+def _routed(layer: DecoderLayer) -> bool:
+    return isinstance(layer.mlp, MoE)
+
+
 def _linears(layer: DecoderLayer) -> list[torch.nn.Module]:
+    """The layer's linear layers but a routed MLP's experts (`_experts`)."""
     attn, mlp = layer.self_attn, layer.mlp
-    assert not isinstance(mlp.down_proj, torch.Tensor)  # an MLP's: build() refused routed experts
+    if isinstance(mlp, MoE):
+        return [attn.qkv_proj, attn.o_proj]
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _experts(layer: DecoderLayer) -> ExpertBlocks | None:
+    assert isinstance(layer.mlp, MoE)
+    return expert_blocks(layer.mlp.experts)
 
 
 def _gguf_only(linear: torch.nn.Module) -> bool:
@@ -170,20 +197,24 @@ def _gguf_only(linear: torch.nn.Module) -> bool:
 
 
 def _flatten(model: DecoderModel) -> tuple[list[torch.Tensor], list[int]]:
-    """What DecoderStack reads (layers.cpp `Reader`): per layer its norms' weights, then per
-    linear layer its kernels' blocks and bias in `tensors`, and their count, qtypes and a
-    has-bias flag in `layout`."""
+    """What DecoderStack reads (layers.cpp `Reader`): per layer its flags in `layout` (q/k
+    norms, routed), its norms' weights, then per linear layer its kernels' blocks and bias in
+    `tensors`, and their count, qtypes and a has-bias flag in `layout`; a routed layer's router
+    and experts (`_flatten_routed`) in place of gate_up and down."""
     tensors: list[torch.Tensor] = []
     layout: list[int] = []
+    gemma = is_gemma(model.shape)
     for layer in _layers(model):
         assert isinstance(layer.input_layernorm, RMSNorm)  # build() took pre-norm layers only
+        attn = layer.self_attn
+        qk_norm = attn.q_norm is not None and not gemma
+        layout.append(_QK_NORM * qk_norm + _ROUTED * _routed(layer))
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        if is_gemma(model.shape):  # then q_norm, k_norm, the feedforward's pre and post norms
-            attn = layer.self_attn
-            assert attn.q_norm is not None and attn.k_norm is not None
+        if attn.q_norm is not None and attn.k_norm is not None:  # Gemma's or Qwen3's
+            norms += [attn.q_norm.weight, attn.k_norm.weight]
+        if gemma:  # then the feedforward's pre and post norms
             assert isinstance(layer.pre_feedforward_layernorm, RMSNorm)
             assert layer.post_feedforward_layernorm is not None
-            norms += [attn.q_norm.weight, attn.k_norm.weight]
             norms += [
                 layer.pre_feedforward_layernorm.weight,
                 layer.post_feedforward_layernorm.weight,
@@ -199,4 +230,19 @@ def _flatten(model: DecoderModel) -> tuple[list[torch.Tensor], list[int]]:
             layout.append(int(linear.bias is not None))
             if linear.bias is not None:
                 tensors.append(linear.bias.detach())
+        if isinstance(layer.mlp, MoE):
+            _flatten_routed(layer.mlp, tensors, layout)
     return tensors, layout
+
+
+# layers.cpp's layer flags
+_QK_NORM, _ROUTED = 1, 2
+
+
+def _flatten_routed(mlp: MoE, tensors: list[torch.Tensor], layout: list[int]) -> None:
+    blocks = expert_blocks(mlp.experts)
+    assert blocks is not None  # build() checked
+    router = mlp.gate
+    tensors += [router.weight.detach(), *blocks.gate_up, *blocks.down]
+    layout += [router.top_k, int(router.norm_topk_prob), len(blocks.gate_up)]
+    layout += [blocks.gate_up_qtype, blocks.down_qtype]

@@ -32,6 +32,7 @@ def gguf_config(path: Path) -> PretrainedConfig:
     if meta.get("general.architecture") in OWN_CONFIG_ARCHS:
         return own_config(path, meta)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    _complete_head_dim(config, meta)
     if meta.get("general.architecture") == "gemma3":
         _complete_gemma3(config, meta)
     if meta.get("general.architecture") == "qwen3moe":
@@ -39,6 +40,15 @@ def gguf_config(path: Path) -> PretrainedConfig:
     if meta.get("general.architecture") == "phi3":
         complete_phi3(config, meta, path)
     return config
+
+
+def _complete_head_dim(config: PretrainedConfig, meta: dict[str, object]) -> None:
+    """A head size other than hidden / heads, where the file says so: transformers reads
+    `attention.key_length` for some architectures only (not qwen3's: Qwen3-0.6B's heads are 128
+    wide at hidden 1024 and 16 heads, 4B's and 32B's too at hidden / heads = 80)."""
+    key_length = meta.get(f"{meta.get('general.architecture')}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length)  # type: ignore[call-overload]
 
 
 def _complete_gemma3(config: PretrainedConfig, meta: dict[str, object]) -> None:

@@ -21,11 +21,13 @@ of the batch chose.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.quant import native_experts
 from engine.model.shape import MoeShape
 
 
@@ -92,6 +94,10 @@ class MoE(nn.Module):
         dtype: torch.dtype,  # the model's
     ) -> torch.Tensor:  # [T, hidden] in dtype
         weights, ids = self.gate(x, dtype)  # [T, k] each
+        native = self.native is not None and x.dtype == torch.float32
+        if native and weights.dtype in (torch.float32, torch.bfloat16):
+            assert self.native is not None
+            return self.native.forward(x, ids, weights)  # the same sums, natively
         if x.shape[0] == 1:
             return self._one_row(x, dtype, weights[0], ids[0])
         out = torch.zeros(x.shape[0], x.shape[1], dtype=dtype, device=x.device)
@@ -100,6 +106,12 @@ class MoE(nn.Module):
             # weighted in the model dtype and added in expert order, as transformers does
             out.index_add_(0, rows, y * weights.view(-1)[slots, None])
         return out
+
+    @cached_property
+    def native(self) -> native_experts.NativeExperts | None:
+        """The experts as one native call a step (quant.native_experts), once they are loaded:
+        GGUF experts of one type on the native kernels. Else None: the grouping below."""
+        return native_experts.build(self.experts)
 
     def _one_row(
         self,

@@ -31,6 +31,7 @@
 
 #include "isa.h"
 #include "gguf_blocks.h"
+#include "gguf_mm.h"
 #include "memory.h"
 #include "ops.h"
 
@@ -91,6 +92,82 @@ Format checked_format(const at::Tensor& blocks, int64_t qtype) {
 
 }  // namespace
 
+namespace {
+
+ActLayout layout_for(const Variant& variant, int64_t qtype, int64_t k) {
+  const QOrder order = qtype == Q4_K || qtype == Q5_K ? variant.q4_k_order
+                       : qtype == Q4_K_X              ? variant.q4_k_x_order
+                                                      : kNatural;
+  return ActLayout(k, is_k_quant(int(qtype)), order);
+}
+
+// Rows [0, m) of x rounded once; with two passes, rows [m, 2m) are what that rounding left,
+// rounded in turn (a row's result is then the sum of its two).
+QuantizedRows quantize(const Variant& variant, const float* x, int64_t m, int64_t k, int64_t qtype,
+                       int64_t passes) {
+  const ActLayout layout = layout_for(variant, qtype, k);
+  QuantizedRows out;
+  out.buffer = at::empty({passes * m * layout.row_bytes}, at::TensorOptions().dtype(at::kByte));
+  uint8_t* base = out.buffer.data_ptr<uint8_t>();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> residual(passes == 2 ? k : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      quantize_row(x + r * k, layout, base + r * layout.row_bytes, passes == 2 ? residual.data() : nullptr);
+      if (passes == 2) quantize_row(residual.data(), layout, base + (m + r) * layout.row_bytes);
+    }
+  });
+  out.rows.resize(passes * m);
+  for (int64_t r = 0; r < passes * m; ++r) out.rows[r] = layout.row(base, r);
+  return out;
+}
+
+// Tiles [tile_begin, tile_end) (16 columns each) of one product.
+void run_tiles(const Variant& variant, const Product& p, int64_t tile_begin, int64_t tile_end) {
+  const int qtype = int(p.qtype);
+  const TileKernel kernel = variant.for_type(qtype);
+  // a group of 16 rows short of its 16 (the last N % 16) is per row: the reference takes it
+  const TileKernel tail_kernel = is_rows16(qtype) ? scalar_variant().for_type(qtype) : kernel;
+  const int64_t rows_per_pass = is_rows16(qtype) ? kMaxRows16 : kMaxRows;
+  Format format;
+  format_of(qtype, &format);
+  const int64_t blocks_per_row = p.row_bytes / format.block_bytes;
+  for (int64_t tile = tile_begin * kTileColumns; tile < std::min(tile_end * kTileColumns, p.n); tile += kTileColumns) {
+    const int64_t end = std::min(tile + kTileColumns, p.n);
+    const TileKernel run = end - tile == kTileColumns ? kernel : tail_kernel;
+    for (int64_t r = 0; r < p.rows; r += rows_per_pass) {
+      TileArgs args{p.weights, p.row_bytes, blocks_per_row, tile, end, p.acts + r,
+                    int(std::min<int64_t>(rows_per_pass, p.rows - r)), p.out + r * p.out_stride, p.out_stride};
+      run(args);
+    }
+  }
+}
+
+// Tiles start at multiples of 16 whatever the thread split (the *_R16 groups need it).
+void run_all(const Variant& variant, const std::vector<Product>& products) {
+  std::vector<int64_t> first_tile{0};  // [products + 1]: prefix sums of their tile counts
+  for (const Product& p : products) first_tile.push_back(first_tile.back() + (p.n + kTileColumns - 1) / kTileColumns);
+  at::parallel_for(0, first_tile.back(), 1, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < products.size(); ++i) {
+      const int64_t lo = std::max(begin, first_tile[i]), hi = std::min(end, first_tile[i + 1]);
+      if (lo < hi) run_tiles(variant, products[i], lo - first_tile[i], hi - first_tile[i]);
+    }
+  });
+}
+
+}  // namespace
+
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t qtype) {
+  return quantize(variants().front(), x, m, k, qtype, 1);
+}
+
+void run_products(const std::vector<Product>& products) {
+  const Variant& variant = variants().front();
+  for (const Product& p : products)
+    TORCH_CHECK(p.n == 0 || variant.for_type(int(p.qtype)) != nullptr, "gguf: the ", variant.name,
+                " variant has no kernel for ", type_name(p.qtype));
+  run_all(variant, products);
+}
+
 at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t qtype,
                    const std::string& variant_name, int64_t passes) {
   TORCH_CHECK(passes == 1 || passes == 2, "gguf_mm: passes is 1 or 2");
@@ -105,53 +182,16 @@ at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t 
               " but the weight rows hold ", blocks_in.size(1) / format.block_bytes * format.block_values,
               " values");
   const Variant& variant = variant_named(variant_name);
-  const TileKernel kernel = variant.for_type(int(qtype));
   const at::Tensor x = x_in.contiguous();
   const at::Tensor blocks = blocks_in.contiguous();
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
-
-  TORCH_CHECK(kernel != nullptr, "gguf_mm: the ", variant.name, " variant has no kernel for ",
+  TORCH_CHECK(variant.for_type(int(qtype)) != nullptr, "gguf_mm: the ", variant.name, " variant has no kernel for ",
               type_name(qtype), " (blocks repacked for another variant)");
-  // a group of 16 rows short of its 16 (the last N % 16) is per row: the reference takes it
-  const TileKernel tail_kernel = is_rows16(int(qtype)) ? scalar_variant().for_type(int(qtype)) : kernel;
-  const QOrder order = qtype == Q4_K || qtype == Q5_K ? variant.q4_k_order
-                       : qtype == Q4_K_X              ? variant.q4_k_x_order
-                                                      : kNatural;
-  const ActLayout layout(k, is_k_quant(int(qtype)), order);
-  // Rows [0, m) are the activations rounded once; with two passes, rows [m, 2m) are what that
-  // rounding left, rounded in turn, and a row's result is the sum of its two.
-  const int64_t rows = passes * m;
-  at::Tensor act_buffer = at::empty({rows * layout.row_bytes}, blocks.options());
-  uint8_t* act_base = act_buffer.data_ptr<uint8_t>();
-  const float* x_data = x.data_ptr<float>();
-  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> residual(passes == 2 ? k : 0);
-    for (int64_t r = begin; r < end; ++r) {
-      quantize_row(x_data + r * k, layout, act_base + r * layout.row_bytes,
-                   passes == 2 ? residual.data() : nullptr);
-      if (passes == 2) quantize_row(residual.data(), layout, act_base + (m + r) * layout.row_bytes);
-    }
-  });
-  std::vector<ActRow> acts(rows);
-  for (int64_t r = 0; r < rows; ++r) acts[r] = layout.row(act_base, r);
-  at::Tensor partial = passes == 2 ? at::empty({rows, n}, x.options()) : out;
-
-  const uint8_t* weights = blocks.data_ptr<uint8_t>();
-  float* out_data = partial.data_ptr<float>();
-  const int64_t rows_per_pass = is_rows16(int(qtype)) ? kMaxRows16 : kMaxRows;
-  // Tiles start at multiples of 16 whatever the thread split (the *_R16 groups need it).
-  at::parallel_for(0, (n + kTileColumns - 1) / kTileColumns, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin * kTileColumns; tile < std::min(end * kTileColumns, n); tile += kTileColumns) {
-      const int64_t tile_end = std::min(tile + kTileColumns, n);
-      const TileKernel run = tile_end - tile == kTileColumns ? kernel : tail_kernel;
-      for (int64_t r = 0; r < rows; r += rows_per_pass) {
-        TileArgs args{weights, blocks.size(1), blocks_per_row, tile, tile_end,
-                      acts.data() + r, int(std::min<int64_t>(rows_per_pass, rows - r)), out_data + r * n, n};
-        run(args);
-      }
-    }
-  });
+  const QuantizedRows acts = quantize(variant, x.data_ptr<float>(), m, k, qtype, passes);
+  at::Tensor partial = passes == 2 ? at::empty({passes * m, n}, x.options()) : out;
+  run_all(variant, {Product{blocks.data_ptr<uint8_t>(), blocks.size(1), n, qtype, acts.rows.data(), passes * m,
+                            partial.data_ptr<float>(), n}});
   if (passes == 2) at::add_out(out, partial.narrow(0, 0, m), partial.narrow(0, m, m));
   return out;
 }

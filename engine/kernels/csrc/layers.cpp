@@ -14,7 +14,13 @@
 //   h, residual = add_rmsnorm(x, residual)
 //   x   = gguf_mm(silu_mul(gguf_mm(h)))           gate_up, down, float32
 //
-// and after the last layer add_rmsnorm(x, residual) in the model's dtype.
+// and after the last layer add_rmsnorm(x, residual) in the model's dtype. Qwen3's q/k norms
+// (`qk_norm` layers: RMSNorm over each head in float32, rounded before the weight) come between
+// qkv and rope, as torch's eager ops compute them in decoder.py. A routed layer (Qwen3-MoE) has,
+// in place of gate_up and down,
+//
+//   weights, ids = top_k(softmax(h.to(dtype) W_router^T, float32))   each row alone, as moe.py
+//   x   = moe::forward(experts, h, ids, weights)  the chosen experts' products (moe.cpp)
 //
 // Gemma 3's layer (`gemma`), with gemma.cpp's ops in place of the eager ones decoder.py calls:
 //
@@ -28,7 +34,15 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/div.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/topk.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -38,6 +52,7 @@
 #include <tuple>
 #include <vector>
 
+#include "moe.h"
 #include "ops.h"
 
 namespace specserve {
@@ -58,18 +73,34 @@ struct Linear {
   }
 };
 
+// A routed MLP: the router's weight [experts, hidden] in the model dtype and the experts.
+struct Routed {
+  at::Tensor router;
+  int64_t top_k = 0;
+  bool norm_topk_prob = false;  // the top k's probabilities rescaled to sum to 1
+  moe::Experts experts;
+};
+
+// Layout flags a layer's entry starts with.
+constexpr int64_t kQkNorm = 1;  // Llama's layer with Qwen3's q/k norms
+constexpr int64_t kRouted = 2;  // a routed MLP in place of gate_up and down
+
 struct Layer {
   at::Tensor input_norm, post_norm;  // [hidden] in the model dtype
-  at::Tensor q_norm, k_norm;         // Gemma's: [head_dim]
+  at::Tensor q_norm, k_norm;         // Gemma's, or Qwen3's (kQkNorm): [head_dim]
   at::Tensor pre_ff_norm, post_ff_norm;  // Gemma's: [hidden]
   bool sliding = false;              // Gemma's local layers: their rope, tables and window
   Linear qkv, o, gate_up, down;
+  std::optional<Routed> routed;
 };
 
 // Reads the flat arguments DecoderStack is built from (decoder_stack.py `_flatten`): per layer
-// the two norms' weights (Gemma: then q_norm, k_norm, pre- and post-feedforward norms), then for
-// each of qkv, o, gate_up and down its kernels' blocks and its bias if any; `layout` holds per
-// linear the kernel count, their qtypes and a has-bias flag.
+// its flags in `layout` (kQkNorm, kRouted), the two norms' weights (Gemma, or kQkNorm: then q_norm
+// and k_norm; Gemma: then pre- and post-feedforward norms), then for each of qkv, o, gate_up and
+// down its kernels' blocks and its bias if any; `layout` holds per linear the kernel count, their
+// qtypes and a has-bias flag. A routed layer has in place of gate_up and down its router's weight,
+// then every expert's gate_up blocks and every expert's down blocks, and in `layout` top k, the
+// renormalization flag, the expert count and the gate_up and down qtypes.
 class Reader {
  public:
   Reader(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& layout)
@@ -94,6 +125,18 @@ class Reader {
     if (value() != 0) out.bias = tensor();
     return out;
   }
+  Routed routed() {
+    Routed out;
+    out.router = tensor();
+    out.top_k = value();
+    out.norm_topk_prob = value() != 0;
+    const int64_t experts = value();
+    out.experts.gate_up_qtype = value();
+    out.experts.down_qtype = value();
+    for (int64_t e = 0; e < experts; ++e) out.experts.gate_up.push_back(tensor());
+    for (int64_t e = 0; e < experts; ++e) out.experts.down.push_back(tensor());
+    return out;
+  }
   bool done() const { return t_ == tensors_.size() && l_ == layout_.size(); }
 
  private:
@@ -113,11 +156,15 @@ class DecoderStack : public torch::CustomClassHolder {
     Reader read(tensors, layout);
     while (!read.done()) {
       Layer layer;
+      const int64_t flags = read.value();
+      TORCH_CHECK(!gemma || flags == 0, "DecoderStack: q/k norms and routed MLPs on Llama's layer only");
       layer.input_norm = read.tensor();
       layer.post_norm = read.tensor();
-      if (gemma) {
+      if (gemma || (flags & kQkNorm)) {
         layer.q_norm = read.tensor();
         layer.k_norm = read.tensor();
+      }
+      if (gemma) {
         layer.pre_ff_norm = read.tensor();
         layer.post_ff_norm = read.tensor();
       }
@@ -125,8 +172,12 @@ class DecoderStack : public torch::CustomClassHolder {
       layer.sliding = !sliding.empty() && sliding[layers_.size()] != 0;
       layer.qkv = read.linear();
       layer.o = read.linear();
-      layer.gate_up = read.linear();
-      layer.down = read.linear();
+      if (flags & kRouted) {
+        layer.routed = read.routed();
+      } else {
+        layer.gate_up = read.linear();
+        layer.down = read.linear();
+      }
       TORCH_CHECK(!layer.o.bias.defined() && !layer.gate_up.bias.defined() && !layer.down.bias.defined(),
                   "DecoderStack: only qkv may have a bias");
       layers_.push_back(std::move(layer));
@@ -182,15 +233,18 @@ class DecoderStack : public torch::CustomClassHolder {
       }
       at::Tensor qkv = layer.qkv(h).to(dtype);  // [T, q + 2 kv]
       if (layer.qkv.bias.defined()) qkv = at::add(qkv, layer.qkv.bias);
-      const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads_ + kv_heads_, head_dim_});
+      at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads_ + kv_heads_, head_dim_});
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
+      if (layer.q_norm.defined())
+        qk = at::cat({head_norm(qk.narrow(1, 0, heads_), layer.q_norm), head_norm(qk.narrow(1, heads_, kv_heads_), layer.k_norm)}, 1);
       at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
       const at::Tensor q = fused::rope_write_kv(qk, v, cos, sin, k_cache, v_cache, slots, heads_);
       const at::Tensor attended = paged_attention(q, k_cache, v_cache, block_tables, start_pos, query_lens,
                                                   scale_, "auto", 256, 0, tree_bits);  // [T, heads, D]
       x = layer.o(attended.view({tokens, q_size}).to(at::kFloat).contiguous());
       std::tie(h, residual) = fused::add_rmsnorm(x, residual, layer.post_norm, eps_, at::kFloat, "auto");
-      x = layer.down(fused::silu_mul(layer.gate_up(h), dtype, at::kFloat, "auto"));
+      x = layer.routed ? routed_mlp(*layer.routed, h, dtype)
+                       : layer.down(fused::silu_mul(layer.gate_up(h), dtype, at::kFloat, "auto"));
     }
     auto [out, stream] = fused::add_rmsnorm(x, residual, final_norm_, eps_, dtype, "auto");
     if (keeps(layers_.size())) aux.push_back(stream.to(dtype));
@@ -199,6 +253,24 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
+  // Qwen3's q/k norm over each head (norms.py RMSNorm.forward: float32, rounded before the weight).
+  at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight) const {  // [T, heads, D] in dtype
+    const at::Tensor x32 = x.to(at::kFloat);
+    const at::Tensor normed = at::mul(x32, at::rsqrt(at::add(at::mean(x32.pow(2), {-1}, true), eps_)));
+    return at::mul(weight, normed.to(x.scalar_type()));
+  }
+
+  // moe.py's MoE: the router row by row in the model dtype, its softmax in float32, the top k
+  // (rescaled to sum to 1 where norm_topk_prob says) in the model dtype, then the experts.
+  static at::Tensor routed_mlp(const Routed& r, const at::Tensor& h, at::ScalarType dtype) {  // [T, H] float32
+    std::vector<at::Tensor> rows;
+    for (const at::Tensor& row : h.to(dtype).split(1)) rows.push_back(at::linear(row, r.router));
+    const at::Tensor logits = at::cat(rows);  // [T, experts]
+    auto [top, ids] = at::topk(at::softmax(logits, -1, at::kFloat), r.top_k, -1);
+    if (r.norm_topk_prob) top = at::div(top, top.sum(-1, true));
+    return moe::forward(r.experts, h, ids, top.to(logits.scalar_type()));  // [T, H] in dtype
+  }
+
   // DecoderModel.run_layers of Gemma 3 (decoder.py's DecoderLayer with sandwich norms).
   at::Tensor gemma_forward(const at::Tensor& embedded, const at::Tensor& cos, const at::Tensor& sin,
                            const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,

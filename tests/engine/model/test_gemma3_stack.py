@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from engine_utils import greedy, make_engine, outputs, random_prompts
 from gguf import GGMLQuantizationType as T
 from gguf_blocks import write_gemma3_gguf
+from stack_utils import stack_and_loop_agree
 from tiny import make_tiny_model
 
 from engine.config import SpeculativeConfig
@@ -108,21 +109,6 @@ def _runner(path: Path, dtype: str) -> ModelRunner:
     return runner
 
 
-def _both_ways(runner: ModelRunner, inputs: list[ForwardInput]) -> list[torch.Tensor]:
-    """Logits and caches from the Python loop, then from the stack, from the same cache state."""
-    stack = runner.model.native_stack
-    caches = [c for kv in runner.kv_caches for c in kv]
-    before = [c.clone() for c in caches]
-    results = []
-    for native in (False, True):
-        for cache, saved in zip(caches, before, strict=True):
-            cache.copy_(saved)
-        runner.model.native_stack = stack if native else None
-        results.append([runner.forward(inputs), *[c.clone() for c in caches]])
-    runner.model.native_stack = stack
-    return [torch.equal(a, b) for a, b in zip(*results, strict=True)]  # type: ignore[misc]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stack_equals_the_python_loop_past_the_window(
     gemma_gguf: Path, dtype: str, caplog: pytest.LogCaptureFixture
@@ -144,7 +130,7 @@ def test_stack_equals_the_python_loop_past_the_window(
         ],
     ]
     for inputs in cases:
-        assert all(_both_ways(runner, inputs)), inputs
+        assert all(stack_and_loop_agree(runner, inputs)), inputs
 
 
 def test_engine_greedy_with_and_without_the_stack_and_speculation(

@@ -16,15 +16,16 @@ import torch
 from engine_utils import greedy, hf_greedy, make_engine, outputs, random_prompts
 from family_utils import file_logits, hf_logits, prompt_ids
 from gguf import GGMLQuantizationType as T
-from gguf_blocks import finish, rounded_reference, save_reference
+from gguf_blocks import _SCALE_OFFSETS, finish, random_blocks, rounded_reference, save_reference
 from safetensors.torch import load_file
 from tiny import _gguf_hparams, _gguf_tokenizer, make_tiny_model
 
 from engine.config import SpeculativeConfig
 from engine.kernels import gguf_ops
+from engine.model import decoder_stack
 from engine.model.loader import load_model
 from engine.model.moe import MoE
-from engine.model.quant import native
+from engine.model.quant import native, native_experts
 from engine.model.quant.linear import QuantLinear
 from engine.model.runner import ModelRunner
 
@@ -47,6 +48,11 @@ def _quantized(array: np.ndarray, kind: T) -> tuple[np.ndarray, np.ndarray, T | 
     matrix in `kind`; vectors stay F32."""
     if kind == T.F32 or array.ndim == 1:
         return array, array, None
+    if kind in _SCALE_OFFSETS:  # K-quants: gguf has no quantizer for them; random blocks
+        rows = int(np.prod(array.shape[:-1]))
+        blocks = random_blocks(kind, rows, array.shape[-1], seed=rows, low=1e-4).numpy()
+        data = blocks.reshape(*array.shape[:-1], -1)
+        return data, np.asarray(gguf.quants.dequantize(data, kind), dtype=np.float32), kind
     data = gguf.quants.quantize(array, kind)
     return data, np.asarray(gguf.quants.dequantize(data, kind), dtype=np.float32), kind
 
@@ -106,9 +112,12 @@ def _ref(path: Path, bf16: bool = False) -> Path:
 
 def _dense(quantization: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every GGUF matrix multiplied dense (its blocks dequantized exactly, float32 GEMM) rather
-    than by the native kernel, which rounds activations to int8 (that path: its own tests)."""
+    than by the native kernel, which rounds activations to int8 (that path, the native experts'
+    call and the native stack, which call it directly: their own tests)."""
     if quantization == "gguf":
         monkeypatch.setattr(native.GgufKernel, "native", native.GgufKernel.dense)
+        monkeypatch.setattr(native_experts, "build", lambda experts: None)
+        monkeypatch.setattr(decoder_stack, "ENABLED", False)
 
 
 def test_config_is_read_as_llama_cpp_reads_it(gguf_file: Path, src: Path) -> None:

@@ -181,7 +181,7 @@ def test_native_mxfp4_within_activation_rounding(src: Path, private_cache: None)
     _, ours = file_logits(path, "gguf", ids)
     want = hf_logits(_ref(path), ids)
     error = ((ours - want).norm() / want.norm()).item()
-    assert 0 < error < 0.02, error
+    assert 0 < error < 0.05, error
 
 
 def _prompts() -> list[list[int]]:

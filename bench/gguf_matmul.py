@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from engine.kernels import gguf_ops
 from engine.model.quant.formats import quantize_int8
-from engine.model.quant.kernels import make_kernel
+from engine.model.quant.kernels import Kernel, make_kernel
 
 _FLAGS = (
     "avx2",
@@ -110,7 +110,7 @@ def case_kernels(
     return out
 
 
-def int8_rows_kernel(blocks: torch.Tensor, qtype: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def int8_rows_kernel(blocks: torch.Tensor, qtype: int) -> Kernel:
     """The matrix dequantized, rounded to int8 per row and given the kernel a bf16 model's
     `gguf` load picked for such rows (aten's int8 GEMM where it passes its self-test)."""
     weight = quantize_int8(gguf_ops.dequantize(blocks, qtype))

@@ -5,11 +5,16 @@ change in the host's load hits them alike.
 
     python -m bench.gguf_matmul --threads 2                     # Q4_K and Q6_K 8960 x 1536, lm_head
     python -m bench.gguf_matmul --cases Q4_K:8960x1536 --rows 1,8 --variants avx2
+    python -m bench.gguf_matmul --cases MXFP4:2880x2880,Q8_0:2880x2880,Q4_0:2880x2880 \
+        --rows 1,8 --int8-rows                                  # gpt-oss's experts' width
 
 `--layouts tiles,rows16` sets the layouts compared: "tiles" the per-row ones (Q4_K_X for
-avx512vnni), "rows16" 16 weight rows interleaved (Q4_K_R16, Q6_K_R16). The matrix is random but
-well-formed blocks of the type; the kernel's cost does not depend on the values. torch's bf16
+avx512vnni), "rows16" 16 weight rows interleaved (Q4_K_R16, Q6_K_R16, ...). The matrix is random
+but well-formed blocks of the type; the kernel's cost does not depend on the values. torch's bf16
 F.linear on the same matrix is printed beside it for scale (matrices up to 2^25 values).
+`--int8-rows` adds the matrix dequantized and rounded to int8 per row on aten's int8 kernel
+(bf16 activations): how `quantization: gguf` ran a format without a native kernel (MXFP4 before
+it had one).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import gguf_ops
+from engine.model.quant.formats import quantize_int8
+from engine.model.quant.kernels import Kernel, make_kernel
 
 _FLAGS = (
     "avx2",
@@ -60,6 +67,9 @@ def random_matrix(qtype: gguf.GGMLQuantizationType, n: int, k: int) -> torch.Ten
     values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(n, k // values, nbytes), dtype=np.uint8)
+    if qtype == gguf.GGMLQuantizationType.MXFP4:
+        raw[:, :, 0] = 118  # E8M0: 2^-10
+        return torch.from_numpy(raw.reshape(n, -1))
     offset = 208 if qtype == gguf.GGMLQuantizationType.Q6_K else 0
     raw[:, :, offset : offset + 2] = np.array([1e-3], np.float16).view(np.uint8)  # finite scales
     if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
@@ -96,12 +106,26 @@ def case_kernels(
                 continue  # no interleaved layout for this type
             if layout == "rows16" and variant not in ("avx512vnni", "avxvnni", "avx2", "scalar"):
                 continue  # no kernel for it in this variant
+            if packed_type == gguf_ops.Q8_0_R16 and variant == "avx2":
+                continue  # plain AVX2 multiplies Q8_0 per row (its values overflow vpmaddubsw)
             out[f"{variant} {layout}"] = (packed, packed_type, variant)
     return out
 
 
+def int8_rows_kernel(blocks: torch.Tensor, qtype: int) -> Kernel:
+    """The matrix dequantized, rounded to int8 per row and given the kernel a bf16 model's
+    `gguf` load picked for such rows (aten's int8 GEMM where it passes its self-test)."""
+    weight = quantize_int8(gguf_ops.dequantize(blocks, qtype))
+    return make_kernel(weight, torch.bfloat16, torch.device("cpu"))
+
+
 def run_case(
-    case: str, rows: list[int], variants: list[str], layouts: list[str], repeats: int
+    case: str,
+    rows: list[int],
+    variants: list[str],
+    layouts: list[str],
+    repeats: int,
+    int8_rows: bool = False,
 ) -> None:
     name, shape = case.split(":")
     qtype = gguf.GGMLQuantizationType[name]
@@ -114,6 +138,10 @@ def run_case(
     for label, (packed, packed_type, variant) in kernels.items():
         for m in rows:
             calls[f"{label}|{m}"] = partial(gguf_ops.mm, inputs[m], packed, packed_type, variant)
+    if int8_rows:
+        kernel = int8_rows_kernel(blocks, int(qtype))
+        for m in rows:
+            calls[f"int8 rows ({kernel.name})|{m}"] = partial(kernel, inputs[m])
     if n * k <= 1 << 25:
         dense = gguf_ops.dequantize(blocks, int(qtype)).to(torch.bfloat16)
         for m in rows:
@@ -142,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--variants", default="", help="comma-separated; default: every SIMD one here")
     ap.add_argument("--layouts", default="tiles,rows16")
+    ap.add_argument(
+        "--int8-rows", action="store_true", help="also the int8-row kernel on the same values"
+    )
     args = ap.parse_args(argv)
     if not gguf_ops.available():
         print("native kernels unavailable", file=sys.stderr)
@@ -158,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(1 min) at start; medians of {args.repeats}, (x) = ms / ms at M = {rows[0]}"
     )
     for case in args.cases.split(","):
-        run_case(case, rows, variants, args.layouts.split(","), args.repeats)
+        run_case(case, rows, variants, args.layouts.split(","), args.repeats, args.int8_rows)
     print(f"load average {os.getloadavg()[0]:.2f} (1 min) at end")
     return 0
 

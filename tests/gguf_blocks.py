@@ -19,10 +19,16 @@ _SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # f16 d (and 
 def random_blocks(
     qtype: T, n: int, k: int, seed: int = 0, scale: float | None = None, low: float = 1e-3
 ) -> torch.Tensor:
-    """[n, bytes per row]: random bits, f16 scales uniform in [low, 20 low] (or all `scale`)."""
+    """[n, bytes per row]: random bits, f16 scales uniform in [low, 20 low] (or all `scale`);
+    MXFP4's E8M0 scales the powers of two nearest those (`scale` must be one)."""
     rng = np.random.default_rng(seed)
     values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(n, k // values, nbytes), dtype=np.uint8)
+    if qtype == T.MXFP4:  # one E8M0 byte e per block: w = 2^(e - 128) * value
+        shape = raw.shape[:2]
+        d = np.full(shape, scale) if scale is not None else rng.uniform(low, 20 * low, shape)
+        raw[:, :, 0] = np.round(np.log2(d)).astype(np.int32) + 128
+        return torch.from_numpy(raw.reshape(n, -1))
     for offset in _SCALE_OFFSETS.get(qtype, (0,)):
         shape = raw.shape[:2]
         d = np.full(shape, scale) if scale is not None else rng.uniform(low, 20 * low, shape)

@@ -2,7 +2,7 @@
 shapes torch.compile traces them with.
 
 `mm(x, blocks, qtype)` multiplies float32 activation rows by a matrix held as the file's own
-blocks (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K); `dequantize` turns the blocks into float32.
+blocks (Q4_0, Q5_0, Q8_0, MXFP4, Q4_K, Q5_K, Q6_K); `dequantize` turns the blocks into float32.
 `mm_bf16` is the prompt-chunk GEMM (csrc/prefill.cpp): panels of weight rows dequantized to bf16
 in a cache-sized buffer and multiplied by torch's bf16 GEMM; `dequantize_bf16` the whole matrix. The C++
 side picks its ISA variant from the running CPU; `variant` names one only for tests and benchmarks.
@@ -21,6 +21,7 @@ FILE_FORMATS: dict[int, tuple[int, int]] = {
     2: (32, 18),
     6: (32, 22),
     8: (32, 34),
+    39: (32, 17),  # MXFP4: an E8M0 scale and 16 bytes of 4-bit E2M1 codes (gpt-oss's experts)
     12: (256, 144),
     13: (256, 176),
     14: (256, 210),
@@ -28,7 +29,7 @@ FILE_FORMATS: dict[int, tuple[int, int]] = {
 Q4_K_X = 1012  # Q4_K repacked per row at load for the AVX512-VNNI tiles (never in a file)
 Q4_K_R16 = 1013  # Q4_K / Q6_K with 16 rows interleaved at load (gguf_blocks.h; never in a file)
 Q6_K_R16 = 1014
-Q4_0_R16, Q5_0_R16, Q8_0_R16 = 1015, 1016, 1017  # the 32-value formats interleaved
+Q4_0_R16, Q5_0_R16, Q8_0_R16, MXFP4_R16 = 1015, 1016, 1017, 1018  # 32-value formats interleaved
 FORMATS = {
     **FILE_FORMATS,
     Q4_K_X: (256, 148),
@@ -37,6 +38,7 @@ FORMATS = {
     Q4_0_R16: (32, 18),
     Q5_0_R16: (32, 22),
     Q8_0_R16: (32, 34),
+    MXFP4_R16: (32, 17),
 }
 
 
@@ -66,7 +68,7 @@ def pack(
 ) -> tuple[torch.Tensor, int]:
     """The blocks in the layout the variant (default: the best here) runs fastest, and its type
     id: Q4_K and Q6_K get 16 rows interleaved for every SIMD variant (Q4_K_R16 +3% bytes,
-    Q6_K_R16), Q4_0 / Q5_0 / Q8_0 too (same bytes; Q8_0 not for plain AVX2); other types come
+    Q6_K_R16), Q4_0 / Q5_0 / Q8_0 / MXFP4 too (same bytes; Q8_0 not for plain AVX2); other types come
     back unchanged. `layout` "tiles" keeps the per-row layouts (Q4_K_X for
     AVX512-VNNI) and "rows16" asks for the interleaved ones: for tests and benchmarks."""
     if not available():

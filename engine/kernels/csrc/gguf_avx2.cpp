@@ -3,7 +3,8 @@
 //
 // No int16 sum can saturate: Q4_K pairs are at most 2 * 15 * 127, Q5_K 2 * 31 * 127, Q6_K
 // 2 * 63 * 127 (their weights are unpacked unsigned, the -32 is folded in with the activation
-// sums), and the 32-value formats multiply |w| <= 128 by sign-adjusted activations, 2 * 128 * 127.
+// sums), and the 32-value formats multiply |w| <= 128 by sign-adjusted activations, 2 * 128 * 127
+// (MXFP4's values, |w| <= 12, looked up from their codes by `vpshufb`).
 //
 // Each weight block is unpacked once into registers (or the stack) and then multiplied with
 // every activation row; each row keeps its own accumulator, so a row's result does not depend on
@@ -146,10 +147,24 @@ void q6_k_tile(const TileArgs& a) {
   }
 }
 
+// One 32-value block's d: its f16, or MXFP4's E8M0 byte.
+template <int QType>
+inline float block_d(const uint8_t* block) {
+  if constexpr (QType == MXFP4) return e8m0_half_to_float(block[0]);
+  else return load_half(block);
+}
+
 // One 32-value block as signed int8 (w = d * q).
 template <int QType>
 inline __m256i unpack_32(const uint8_t* block) {
   if (QType == Q8_0) return load(block + 2);
+  if (QType == MXFP4) {  // each nibble looked up in the 16 values (`vpshufb`)
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1));
+    const __m128i values = _mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(codes, 4), nibble)),
+                            _mm_shuffle_epi8(values, _mm_and_si128(codes, nibble)));
+  }
   const uint8_t* qs = block + (QType == Q5_0 ? 6 : 2);
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -170,7 +185,7 @@ inline __m256i unpack_32(const uint8_t* block) {
 
 template <int QType>
 void tile_32(const TileArgs& a) {
-  constexpr int block_bytes = QType == Q8_0 ? 34 : QType == Q5_0 ? 22 : 18;
+  constexpr int block_bytes = q32_block_bytes(QType);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = a.n_begin; n < a.n_end; ++n) {
     const uint8_t* row = a.weights + n * a.weight_row_bytes;
@@ -180,7 +195,7 @@ void tile_32(const TileArgs& a) {
       const uint8_t* block = row + b * block_bytes;
       const __m256i w = unpack_32<QType>(block);
       const __m256i magnitude = _mm256_sign_epi8(w, w);  // |w|, unsigned for maddubs
-      const __m256 d = _mm256_set1_ps(load_half(block));
+      const __m256 d = _mm256_set1_ps(block_d<QType>(block));
       for (int r = 0; r < a.rows; ++r) {
         // x * sign(w): the product |w| * x * sign(w) = w * x, pairs summed in int16
         const __m256i x = _mm256_sign_epi8(load(a.acts[r].q + 32 * b), w);
@@ -198,11 +213,12 @@ void tile_32(const TileArgs& a) {
 }  // namespace
 
 Variant avx2_variant() {
-  return {"avx2",          tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
+  return {"avx2",          tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>, tile_32<MXFP4>,
           q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     nullptr,
           rows16_tile<Q4_K_R16, false>, rows16_tile<Q6_K_R16, false>,
           rows16_tile<Q4_0_R16, false>, rows16_tile<Q5_0_R16, false>,
           nullptr,  // Q8_0 stays per row: its values past 127 overflow vpmaddubsw's pairs
+          rows16_tile<MXFP4_R16, false>,
           kNatural,         kNatural,        dequantize_row_impl, dequantize_group_impl};
 }
 

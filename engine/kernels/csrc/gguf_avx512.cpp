@@ -210,10 +210,24 @@ void q6_k_tile(const TileArgs& a) {
   }
 }
 
+// One 32-value block's d: its f16, or MXFP4's E8M0 byte.
+template <int QType>
+inline float block_d(const uint8_t* block) {
+  if constexpr (QType == MXFP4) return e8m0_half_to_float(block[0]);
+  else return load_half(block);
+}
+
 // One 32-value block as 32 signed int8 (w = d * q).
 template <int QType>
 inline __m256i unpack_32(const uint8_t* block) {
   if (QType == Q8_0) return load256(block + 2);
+  if (QType == MXFP4) {  // each nibble looked up in the 16 values (`vpshufb`)
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1));
+    const __m128i values = _mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(codes, 4), nibble)),
+                            _mm_shuffle_epi8(values, _mm_and_si128(codes, nibble)));
+  }
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (QType == Q5_0 ? 6 : 2)));
   const __m128i nibble = _mm_set1_epi8(0x0F);
   __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
@@ -226,7 +240,7 @@ inline __m256i unpack_32(const uint8_t* block) {
 
 template <int QType>
 void tile_32(const TileArgs& a) {
-  constexpr int block_bytes = QType == Q8_0 ? 34 : QType == Q5_0 ? 22 : 18;
+  constexpr int block_bytes = q32_block_bytes(QType);
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t n = a.n_begin; n < a.n_end; ++n) {
     const uint8_t* row = a.weights + n * a.weight_row_bytes;
@@ -239,8 +253,8 @@ void tile_32(const TileArgs& a) {
       w = _mm512_inserti64x4(w, pair ? unpack_32<QType>(block + block_bytes) : _mm256_setzero_si256(), 1);
       const __mmask16 lanes = pair ? 0xFFFF : 0x00FF;
       const __m512 d = _mm512_mask_blend_ps(
-          0xFF00, _mm512_set1_ps(load_half(block)),
-          _mm512_set1_ps(pair ? load_half(block + block_bytes) : 0.0f));
+          0xFF00, _mm512_set1_ps(block_d<QType>(block)),
+          _mm512_set1_ps(pair ? block_d<QType>(block + block_bytes) : 0.0f));
       const __m512i magnitude = _mm512_abs_epi8(w);  // |w| as unsigned, -128 included
       const __mmask64 negative = _mm512_movepi8_mask(w);
       for (int r = 0; r < a.rows; ++r) {
@@ -275,6 +289,15 @@ inline __m512i broadcast4(const int8_t* x) {
 
 inline __m512 load_halves(const uint8_t* p) {  // 16 f16 -> 16 floats
   return _mm512_cvtph_ps(load256(p));
+}
+
+// 16 E8M0 bytes -> 16 floats 2^(e - 128), as e8m0_half_to_float: (e - 1) << 23, or for e = 0, 1
+// the subnormals 0x00200000 << e.
+inline __m512 e8m0_halves(const uint8_t* p) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+  const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
 }
 
 // 4 x 4 values of 16 columns (w[0..3]) times 16 activations: int32 per column.
@@ -375,12 +398,13 @@ void q6_k_r16_group(const TileArgs& a) {
   for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(a.out + r * a.out_stride + a.n_begin, acc[r]);
 }
 
-// One group of 16 columns x Rows rows, Q4_0_R16 / Q5_0_R16 / Q8_0_R16: per block of 32 values,
-// each half's int32 sums turn float times the row's group scale, the format's offset comes off
-// through the row's d * sum(q) of the block, and the column scales multiply the block's sum.
+// One group of 16 columns x Rows rows, Q4_0_R16 / Q5_0_R16 / Q8_0_R16 / MXFP4_R16: per block of
+// 32 values, each half's int32 sums turn float times the row's group scale, the format's offset
+// comes off through the row's d * sum(q) of the block, and the column scales multiply the block's
+// sum. MXFP4's codes become 12 + their value by one `vpshufb` per 64 bytes.
 template <int QType, int Rows>
 void q32_r16_group(const TileArgs& a) {
-  constexpr int block_bytes = 16 * (QType == Q8_0_R16 ? 34 : QType == Q5_0_R16 ? 22 : 18);
+  constexpr int block_bytes = 16 * q32_block_bytes(rows16_tail(QType)), values_at = r16_values_at(QType);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i fifth = _mm512_set1_epi8(0x10);
   const __m512 offset = _mm512_set1_ps(float(q32_offset(QType)));
@@ -395,9 +419,13 @@ void q32_r16_group(const TileArgs& a) {
       for (int t = 0; t < 8; ++t) w[t] = load(block + 32 + 64 * t);
     } else {
       for (int c = 0; c < 4; ++c) {
-        const __m512i v = load(block + 32 + 64 * c);
+        const __m512i v = load(block + values_at + 64 * c);
         w[c] = _mm512_and_si512(v, nibble);
         w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      if constexpr (QType == MXFP4_R16) {
+        const __m512i values = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Unsigned)));
+        for (int t = 0; t < 8; ++t) w[t] = _mm512_shuffle_epi8(values, w[t]);
       }
       if constexpr (QType == Q5_0_R16) {
         for (int m = 0; m < 8; ++m) {
@@ -408,7 +436,7 @@ void q32_r16_group(const TileArgs& a) {
         }
       }
     }
-    const __m512 d = load_halves(block);
+    const __m512 d = QType == MXFP4_R16 ? e8m0_halves(block) : load_halves(block);
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
       const int8_t* x = a.acts[r].q + 32 * b;
@@ -452,10 +480,11 @@ struct Q32Rows16 {
 }  // namespace
 
 Variant avx512_variant() {
-  return {"avx512vnni",     tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>,
+  return {"avx512vnni",     tile_32<Q4_0>,    tile_32<Q5_0>, tile_32<Q8_0>, tile_32<MXFP4>,
           q4_k_tile<false>, q4_k_tile<true>, q6_k_tile,     q4_k_x_tile,
           by_rows<Q4KRows16>, by_rows<Q6KRows16>,
           by_rows<Q32Rows16<Q4_0_R16>::Of>, by_rows<Q32Rows16<Q5_0_R16>::Of>, by_rows<Q32Rows16<Q8_0_R16>::Of>,
+          by_rows<Q32Rows16<MXFP4_R16>::Of>,
           kNibbleHalves,    kSubblockLanes,  dequantize_row_impl, dequantize_group_impl};
 }
 

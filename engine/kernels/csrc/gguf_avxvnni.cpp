@@ -18,6 +18,7 @@ Variant avxvnni_variant() {
   v.q4_0_r16 = rows16_tile<Q4_0_R16, true>;
   v.q5_0_r16 = rows16_tile<Q5_0_R16, true>;
   v.q8_0_r16 = rows16_tile<Q8_0_R16, true>;
+  v.mxfp4_r16 = rows16_tile<MXFP4_R16, true>;
   return v;
 }
 

@@ -6,6 +6,8 @@
 //   Q5_0  22 B / 32 values:  d (f16), qh (u32: bit i = 5th bit of value i), qs[16]
 //                            value i < 16 in qs[i] & 15, value i + 16 in qs[i] >> 4;  w = d * (q - 16)
 //   Q4_0  18 B / 32 values:  d (f16), qs[16] as Q5_0 without qh;          w = d * (q - 8)
+//   MXFP4 17 B / 32 values:  e (E8M0), qs[16] of 4-bit codes as Q4_0's;     w = 2^(e - 128) * v[q]
+//                            (v = kMxfp4Values, doubled E2M1; more below)
 //   Q4_K 144 B / 256 values: d, dmin (f16), 12 B of 6-bit scales sc[8] and mins m[8], qs[128];
 //                            64-value chunk j: qs[32j + l] & 15 is value 64j + l (sub-block 2j),
 //                            qs[32j + l] >> 4 is value 64j + 32 + l (sub-block 2j + 1);
@@ -52,8 +54,21 @@
 //                  16 + 4c + i of column j (c = 0..3); Q5_0 then [288, 352): 8 little-endian u64
 //                  masks, mask 2c + h bit 4j + i = the 5th bit of value 16h + 4c + i of column j
 //     Q8_0:        [32, 544) qs: byte 64t + 4j + i = value 4t + i of column j plus 128 (t = 0..7)
+//   MXFP4_R16 272 B (16 x 17) per block of 32 values, tail rows as MXFP4:
+//     [0, 16)      e[j] (E8M0)
+//     [16, 272)    codes: byte 64c + 4j + i: low nibble = code of value 4c + i, high nibble = code of
+//                  value 16 + 4c + i of column j (c = 0..3), the file's 4-bit codes as they were
 // The values are unsigned (0..15, 0..31, 0..63, 0..255: Q4_0's -8, Q5_0's -16, Q6_K's -32 and
 // Q8_0's -128 are applied with the activation sums), which is the operand order `vpdpbusd` takes.
+// MXFP4's codes become unsigned at unpacking: one byte shuffle (`vpshufb`) of the nibbles through
+// kMxfp4Unsigned gives 12 + the code's value, 0..24, and its -12 comes off as Q4_0's -8 does.
+//
+// MXFP4 (GGML type 39, gpt-oss's experts; the OCP microscaling format): 17 B per 32 values, one
+// E8M0 byte e, then 16 bytes of 4-bit E2M1 codes (byte i: value i in its low nibble, value
+// 16 + i in its high one). A code is a sign bit and a 3-bit magnitude 0, 0.5, 1, 1.5, 2, 3, 4, 6;
+// ggml stores these doubled (kMxfp4Values: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) and
+// halves the scale instead: w = 2^(e - 128) * kMxfp4Values[code] (ggml_e8m0_to_fp32_half). Every
+// weight is thus a small integer times a power of two, exact in float32 and in int8.
 //
 // Activations: each row is rounded on its own (so a row's result never depends on its batch),
 // per group of 16 values whatever the weight format: d = max|x| / 127 and q = nearbyint(x / d) in
@@ -84,7 +99,8 @@ namespace specserve::gguf {
 
 // GGML's type ids, the numbers the file and gguf-py use.
 enum QType : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_K_X = 1012,
-             Q4_K_R16 = 1013, Q6_K_R16 = 1014, Q4_0_R16 = 1015, Q5_0_R16 = 1016, Q8_0_R16 = 1017 };
+             MXFP4 = 39, Q4_K_R16 = 1013, Q6_K_R16 = 1014, Q4_0_R16 = 1015, Q5_0_R16 = 1016,
+             Q8_0_R16 = 1017, MXFP4_R16 = 1018 };
 
 struct Format {
   int block_values;  // weights per block
@@ -96,6 +112,7 @@ static inline bool format_of(int qtype, Format* out) {
     case Q4_0: *out = {32, 18}; return true;
     case Q5_0: *out = {32, 22}; return true;
     case Q8_0: *out = {32, 34}; return true;
+    case MXFP4: *out = {32, 17}; return true;
     case Q4_K: *out = {256, 144}; return true;
     case Q5_K: *out = {256, 176}; return true;
     case Q6_K: *out = {256, 210}; return true;
@@ -105,6 +122,7 @@ static inline bool format_of(int qtype, Format* out) {
     case Q4_0_R16: *out = {32, 18}; return true;
     case Q5_0_R16: *out = {32, 22}; return true;
     case Q8_0_R16: *out = {32, 34}; return true;
+    case MXFP4_R16: *out = {32, 17}; return true;
     default: return false;
   }
 }
@@ -127,7 +145,9 @@ static inline void prefetch_ahead(const uint8_t* block, int bytes, int i, int n)
   for (int l = i * per_step; l < std::min(lines, (i + 1) * per_step); ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
 }
 
-static constexpr bool is_rows16_32(int qtype) { return qtype == Q4_0_R16 || qtype == Q5_0_R16 || qtype == Q8_0_R16; }
+static constexpr bool is_rows16_32(int qtype) {
+  return qtype == Q4_0_R16 || qtype == Q5_0_R16 || qtype == Q8_0_R16 || qtype == MXFP4_R16;
+}
 
 static constexpr bool is_rows16(int qtype) { return qtype == Q4_K_R16 || qtype == Q6_K_R16 || is_rows16_32(qtype); }
 
@@ -142,6 +162,7 @@ static constexpr int rows16_tail(int qtype) {
     case Q6_K_R16: return Q6_K;
     case Q4_0_R16: return Q4_0;
     case Q5_0_R16: return Q5_0;
+    case MXFP4_R16: return MXFP4;
     default: return Q8_0;
   }
 }
@@ -154,13 +175,38 @@ static inline int rows16_of(int qtype) {
     case Q4_0: return Q4_0_R16;
     case Q5_0: return Q5_0_R16;
     case Q8_0: return Q8_0_R16;
+    case MXFP4: return MXFP4_R16;
     default: return 0;
   }
 }
 
 // What a 32-value format's unsigned values are offset by (w = d * (q - offset)).
 static constexpr int q32_offset(int qtype) {
-  return qtype == Q4_0 || qtype == Q4_0_R16 ? 8 : qtype == Q5_0 || qtype == Q5_0_R16 ? 16 : 128;
+  return qtype == Q4_0 || qtype == Q4_0_R16   ? 8
+         : qtype == Q5_0 || qtype == Q5_0_R16 ? 16
+         : qtype == MXFP4 || qtype == MXFP4_R16 ? 12
+                                                : 128;
+}
+
+// Bytes of one block of a 32-value file format.
+static constexpr int q32_block_bytes(int qtype) {
+  return qtype == Q8_0 ? 34 : qtype == Q5_0 ? 22 : qtype == MXFP4 ? 17 : 18;
+}
+
+// Where a *_R16 block's values start: after its 16 columns' scales (f16, or MXFP4's E8M0 bytes).
+static constexpr int r16_values_at(int qtype) { return qtype == MXFP4_R16 ? 16 : 32; }
+
+// MXFP4's code -> value (doubled E2M1, as ggml and gguf-py hold it), and 12 + that value.
+alignas(16) static constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+alignas(16) static constexpr uint8_t kMxfp4Unsigned[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                                           12, 11, 10, 9,  8,  6,  4,  0};
+
+// E8M0 e to float, halved: 2^(e - 128) (ggml_e8m0_to_fp32_half; e = 0, 1 give subnormals).
+static inline float e8m0_half_to_float(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t(0x00200000) << e : uint32_t(e - 1) << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
 }
 
 // Q4_K_X: the super-block value that zmm k (0..3) holds at byte p (0..63): lane p / 4 belongs
@@ -192,8 +238,19 @@ static inline float half_to_float(const uint8_t* p) {
   return out;
 }
 
-// Column j of one Q4_0_R16 / Q5_0_R16 / Q8_0_R16 block: its 32 values unsigned, and d.
+// Column j of one Q4_0_R16 / Q5_0_R16 / Q8_0_R16 / MXFP4_R16 block: its 32 values unsigned, and d.
 static inline void unpack_32_r16(int qtype, const uint8_t* block, int j, uint8_t q[32], float* d) {
+  if (qtype == MXFP4_R16) {
+    *d = e8m0_half_to_float(block[j]);
+    for (int c = 0; c < 4; ++c) {
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = block[16 + 64 * c + 4 * j + i];
+        q[4 * c + i] = kMxfp4Unsigned[byte & 15];
+        q[16 + 4 * c + i] = kMxfp4Unsigned[byte >> 4];
+      }
+    }
+    return;
+  }
   *d = half_to_float(block + 2 * j);
   if (qtype == Q8_0_R16) {
     for (int t = 0; t < 8; ++t) std::memcpy(q + 4 * t, block + 32 + 64 * t + 4 * j, 4);
@@ -215,7 +272,7 @@ static inline void unpack_32_r16(int qtype, const uint8_t* block, int j, uint8_t
   }
 }
 
-// Column j of one Q4_0_R16 / Q5_0_R16 / Q8_0_R16 block to its 32 floats, d * (q - offset).
+// Column j of one 32-value *_R16 block to its 32 floats, d * (q - offset).
 static inline void dequantize_32_r16(int qtype, const uint8_t* block, int j, float out[32]) {
   uint8_t q[32];
   float d;
@@ -302,9 +359,9 @@ using TileKernel = void (*)(const TileArgs&);
 // The kernels of one ISA, by format; nullptr where the variant has none for that format.
 struct Variant {
   const char* name;
-  TileKernel q4_0, q5_0, q8_0, q4_k, q5_k, q6_k, q4_k_x;
+  TileKernel q4_0, q5_0, q8_0, mxfp4, q4_k, q5_k, q6_k, q4_k_x;
   TileKernel q4_k_r16, q6_k_r16;  // full groups only: the op sends a tail group to the reference
-  TileKernel q4_0_r16, q5_0_r16, q8_0_r16;
+  TileKernel q4_0_r16, q5_0_r16, q8_0_r16, mxfp4_r16;
   QOrder q4_k_order, q4_k_x_order;  // how its Q4_K / Q5_K and Q4_K_X kernels want the activations
   void (*dequantize_row)(int qtype, const uint8_t* row, int64_t blocks, float* out);
   // a full group of 16 rows of a *_R16 type to floats [16, 256 * blocks]
@@ -315,6 +372,7 @@ struct Variant {
       case Q4_0: return q4_0;
       case Q5_0: return q5_0;
       case Q8_0: return q8_0;
+      case MXFP4: return mxfp4;
       case Q4_K: return q4_k;
       case Q5_K: return q5_k;
       case Q6_K: return q6_k;
@@ -324,6 +382,7 @@ struct Variant {
       case Q4_0_R16: return q4_0_r16;
       case Q5_0_R16: return q5_0_r16;
       case Q8_0_R16: return q8_0_r16;
+      case MXFP4_R16: return mxfp4_r16;
       default: return nullptr;
     }
   }
@@ -342,8 +401,8 @@ void dequantize_block(int qtype, const uint8_t* block, float* out);
 void quantize_row(const float* x, const ActLayout& layout, uint8_t* row, float* residual = nullptr);
 // One Q4_K block (144 B) to Q4_K_X (148 B).
 void pack_q4_k_x(const uint8_t* block, uint8_t* out);
-// Block b of 16 Q4_K or Q6_K rows (`rows` points at the first, rows `row_bytes` apart) to one
-// Q4_K_R16 or Q6_K_R16 super-block.
+// Block b of 16 Q4_K, Q6_K, Q4_0, Q5_0, Q8_0 or MXFP4 rows (`rows` points at the first, rows
+// `row_bytes` apart) to one *_R16 block.
 void pack_rows16(int qtype, const uint8_t* rows, int64_t row_bytes, int64_t b, uint8_t* out);
 // Weight row n (of n_total) of a *_R16 matrix to floats.
 void dequantize_rows16_row(int qtype, const uint8_t* weights, int64_t row_bytes, int64_t n_total,

@@ -66,6 +66,7 @@ const char* type_name(int64_t qtype) {
     case Q4_0: return "Q4_0";
     case Q5_0: return "Q5_0";
     case Q8_0: return "Q8_0";
+    case MXFP4: return "MXFP4";
     case Q4_K: return "Q4_K";
     case Q5_K: return "Q5_K";
     case Q6_K: return "Q6_K";
@@ -75,6 +76,7 @@ const char* type_name(int64_t qtype) {
     case Q4_0_R16: return "Q4_0_R16";
     case Q5_0_R16: return "Q5_0_R16";
     case Q8_0_R16: return "Q8_0_R16";
+    case MXFP4_R16: return "MXFP4_R16";
     default: return "an unsupported type";
   }
 }
@@ -82,7 +84,7 @@ const char* type_name(int64_t qtype) {
 Format checked_format(const at::Tensor& blocks, int64_t qtype) {
   Format format;
   TORCH_CHECK(format_of(int(qtype), &format), "gguf: GGML type ", qtype,
-              " is not supported (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K are)");
+              " is not supported (Q4_0, Q5_0, Q8_0, MXFP4, Q4_K, Q5_K, Q6_K are)");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.device().is_cpu(),
               "gguf: blocks must be a 2-D uint8 CPU tensor [N, bytes per row]");
   TORCH_CHECK(blocks.size(1) % format.block_bytes == 0, "gguf: a ", type_name(qtype), " row of ",
@@ -274,7 +276,7 @@ at::Tensor pack_q4_k_x_matrix(const at::Tensor& blocks) {
 
 // The blocks in the layout `variant` (default: the best here) multiplies fastest, and their type.
 // layout "" is that best: Q4_K and Q6_K become Q4_K_R16 and Q6_K_R16 for every SIMD variant, Q4_0,
-// Q5_0 and Q8_0 their *_R16 layouts for avx512vnni; "tiles" keeps the per-row layouts (Q4_K_X for
+// Q5_0, MXFP4 (and Q8_0 but on plain avx2) their *_R16 layouts; "tiles" keeps the per-row layouts (Q4_K_X for
 // avx512vnni); "rows16" asks for the interleaved ones.
 // Other types come back as they are.
 std::tuple<at::Tensor, int64_t> gguf_pack(const at::Tensor& blocks_in, int64_t qtype, const std::string& variant_name,

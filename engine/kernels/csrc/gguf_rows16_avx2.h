@@ -36,6 +36,17 @@ inline __m256 load_halves(const uint8_t* p) {  // 8 f16 -> 8 floats
 
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
+// 8 E8M0 bytes -> 8 floats 2^(e - 128), as e8m0_half_to_float: (e - 1) << 23, or for e = 0, 1 the
+// subnormals 0x00200000 << e.
+inline __m256 e8m0_halves(const uint8_t* p) {
+  uint64_t bytes;
+  std::memcpy(&bytes, p, 8);
+  const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(bytes)));
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+
 // w[0..3] . x[0..15] per column, int32, by AVX-VNNI's `vpdpbusd`.
 inline __m256i vnni_dot16(const __m256i* w, const int8_t* x) {
   __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w[0], broadcast4(x));
@@ -155,20 +166,26 @@ inline __m256i dot16_plain(const __m256i* w, const int8_t* x) {
   else return pairs_dot16(w, x, _mm256_set1_epi16(1));
 }
 
-// Columns 8h .. 8h + 7 of one Q4_0_R16 / Q5_0_R16 / Q8_0_R16 block (Q8_0 with AVX-VNNI only: its
-// values reach 255, past `vpmaddubsw`'s int16 pairs), for Rows rows, added into acc.
+// Columns 8h .. 8h + 7 of one Q4_0_R16 / Q5_0_R16 / Q8_0_R16 / MXFP4_R16 block (Q8_0 with
+// AVX-VNNI only: its values reach 255, past `vpmaddubsw`'s int16 pairs; MXFP4's unsigned values
+// reach 24), for Rows rows, added into acc.
 template <int Rows, int QType, bool Vnni>
 void q32_r16_half(const uint8_t* block, int h, int64_t b, const ActRow* acts, __m256* acc) {
   static_assert(Vnni || QType != Q8_0_R16, "Q8_0_R16 needs vpdpbusd");
+  constexpr int values_at = r16_values_at(QType);
   __m256i w[8];  // w[t]: values 4t .. 4t + 3 of the 8 columns
   if constexpr (QType == Q8_0_R16) {
     for (int t = 0; t < 8; ++t) w[t] = load_ymm(block + 32 + 64 * t + 32 * h);
   } else {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
-      const __m256i v = load_ymm(block + 32 + 64 * c + 32 * h);
+      const __m256i v = load_ymm(block + values_at + 64 * c + 32 * h);
       w[c] = _mm256_and_si256(v, nibble);
       w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    }
+    if constexpr (QType == MXFP4_R16) {  // codes -> 12 + value, 0..24
+      const __m256i values = _mm256_broadcastsi128_si256(load128(kMxfp4Unsigned));
+      for (int t = 0; t < 8; ++t) w[t] = _mm256_shuffle_epi8(values, w[t]);
     }
     if constexpr (QType == Q5_0_R16) {
       for (int m = 0; m < 8; ++m) {
@@ -179,7 +196,7 @@ void q32_r16_half(const uint8_t* block, int h, int64_t b, const ActRow* acts, __
       }
     }
   }
-  const __m256 d = load_halves(block + 16 * h);
+  const __m256 d = QType == MXFP4_R16 ? e8m0_halves(block + 8 * h) : load_halves(block + 16 * h);
   const __m256 offset = _mm256_set1_ps(float(q32_offset(QType)));
   for (int r = 0; r < Rows; ++r) {
     const int8_t* x = acts[r].q + 32 * b;

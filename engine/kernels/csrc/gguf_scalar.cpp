@@ -135,6 +135,14 @@ void unpack_k(int qtype, const uint8_t* block, KBlock* out) {
 
 // A 32-value block in integer form: w = d * q.
 void unpack_32(int qtype, const uint8_t* block, int8_t q[32], float* d) {
+  if (qtype == MXFP4) {
+    *d = e8m0_half_to_float(block[0]);
+    for (int i = 0; i < 16; ++i) {
+      q[i] = kMxfp4Values[block[1 + i] & 15];
+      q[i + 16] = kMxfp4Values[block[1 + i] >> 4];
+    }
+    return;
+  }
   *d = half_to_float(block);
   if (qtype == Q8_0) {
     std::memcpy(q, block + 2, 32);
@@ -200,7 +208,7 @@ void k_tile(const TileArgs& a) {
 template <int QType>
 void unpack_32_at(const TileArgs& a, int64_t n, int64_t b, int8_t q[32], float* d) {
   if constexpr (is_rows16_32(QType)) {
-    constexpr int block_bytes = QType == Q8_0_R16 ? 34 : QType == Q5_0_R16 ? 22 : 18;
+    constexpr int block_bytes = q32_block_bytes(rows16_tail(QType));
     if (a.n_end - a.n_begin != kGroupRows) {  // a tail row, stored as the file's
       return unpack_32(rows16_tail(QType), a.weights + n * a.weight_row_bytes + b * block_bytes, q, d);
     }
@@ -209,8 +217,7 @@ void unpack_32_at(const TileArgs& a, int64_t n, int64_t b, int8_t q[32], float* 
                   int(n - a.n_begin), u, d);
     for (int i = 0; i < 32; ++i) q[i] = int8_t(int(u[i]) - q32_offset(QType));
   } else {
-    constexpr int block_bytes = QType == Q8_0 ? 34 : QType == Q5_0 ? 22 : 18;
-    unpack_32(QType, a.weights + n * a.weight_row_bytes + b * block_bytes, q, d);
+    unpack_32(QType, a.weights + n * a.weight_row_bytes + b * q32_block_bytes(QType), q, d);
   }
 }
 
@@ -317,9 +324,25 @@ void pack_q6_k_r16_column(const uint8_t* file_block, const KBlock& w, int j, uin
 
 namespace {
 
+// Block b of 16 MXFP4 rows to one MXFP4_R16 block: the E8M0 bytes side by side, the codes moved
+// as they are (the inverse of unpack_32_r16).
+void pack_mxfp4_r16(const uint8_t* rows, int64_t row_bytes, int64_t b, uint8_t* out) {
+  std::memset(out, 0, size_t(kGroupRows) * 17);
+  for (int j = 0; j < kGroupRows; ++j) {
+    const uint8_t* block = rows + j * row_bytes + b * 17;
+    out[j] = block[0];
+    for (int v = 0; v < 32; ++v) {
+      const uint8_t code = v < 16 ? block[1 + v] & 15 : block[1 + v - 16] >> 4;
+      const int h = v / 16, c = (v % 16) / 4, i = v % 4;
+      out[16 + 64 * c + 4 * j + i] |= uint8_t(code << (4 * h));
+    }
+  }
+}
+
 // Block b of 16 Q4_0 / Q5_0 / Q8_0 rows to one *_R16 block (the inverse of unpack_32_r16).
 void pack_rows16_32(int qtype, const uint8_t* rows, int64_t row_bytes, int64_t b, uint8_t* out) {
-  const int block_bytes = qtype == Q8_0 ? 34 : qtype == Q5_0 ? 22 : 18, offset = q32_offset(qtype);
+  if (qtype == MXFP4) return pack_mxfp4_r16(rows, row_bytes, b, out);
+  const int block_bytes = q32_block_bytes(qtype), offset = q32_offset(qtype);
   std::memset(out, 0, size_t(kGroupRows) * block_bytes);
   for (int j = 0; j < kGroupRows; ++j) {
     const uint8_t* block = rows + j * row_bytes + b * block_bytes;
@@ -343,7 +366,9 @@ void pack_rows16_32(int qtype, const uint8_t* rows, int64_t row_bytes, int64_t b
 }  // namespace
 
 void pack_rows16(int qtype, const uint8_t* rows, int64_t row_bytes, int64_t b, uint8_t* out) {
-  if (qtype == Q4_0 || qtype == Q5_0 || qtype == Q8_0) return pack_rows16_32(qtype, rows, row_bytes, b, out);
+  if (qtype == Q4_0 || qtype == Q5_0 || qtype == Q8_0 || qtype == MXFP4) {
+    return pack_rows16_32(qtype, rows, row_bytes, b, out);
+  }
   const int block_bytes = qtype == Q4_K ? 144 : 210;
   for (int j = 0; j < kGroupRows; ++j) {
     const uint8_t* block = rows + j * row_bytes + b * block_bytes;
@@ -426,10 +451,10 @@ void quantize_row(const float* x, const ActLayout& layout, uint8_t* row, float* 
 }
 
 Variant scalar_variant() {
-  return {"scalar",     tile_32<Q4_0>, tile_32<Q5_0>, tile_32<Q8_0>,
+  return {"scalar",     tile_32<Q4_0>, tile_32<Q5_0>, tile_32<Q8_0>, tile_32<MXFP4>,
           k_tile<Q4_K>, k_tile<Q5_K>,   k_tile<Q6_K>, k_tile<Q4_K_X>,
           k_tile<Q4_K_R16>, k_tile<Q6_K_R16>,
-          tile_32<Q4_0_R16>, tile_32<Q5_0_R16>, tile_32<Q8_0_R16>,
+          tile_32<Q4_0_R16>, tile_32<Q5_0_R16>, tile_32<Q8_0_R16>, tile_32<MXFP4_R16>,
           kNatural,     kNatural,       dequantize_row_impl, dequantize_group_impl};
 }
 

@@ -3,9 +3,11 @@
 Q4_K becomes an `Int4Weight` of group size 32 without a float round trip: a Q4_K super-block
 holds 8 sub-blocks of 32 values, w = d * sc * q - dmin * m, which is (q - 8) * scale + zero
 with scale = d * sc and zero = 8 * d * sc - dmin * m. Other quantized types (Q5_0, Q5_K, Q6_K,
-Q8_0, ...) are dequantized by `gguf` and rounded to int8 per output row. Float tensors (norms,
-biases) come back as float32 tensors, Gemma's norms less the 1 llama.cpp's converter added. With `blocks` (`quantization: gguf`), every matrix whose
-format the native kernels multiply comes back as the file's own bytes (`GgufBlocks`).
+Q8_0, MXFP4, ...) are dequantized by `gguf` and rounded to int8 per output row. Float tensors
+(norms, biases) come back as float32 tensors, Gemma's norms less the 1 llama.cpp's converter
+added. With `blocks` (`quantization: gguf`), every matrix whose format the native kernels
+multiply (`gguf_ops.FILE_FORMATS`, gpt-oss's MXFP4 experts among them) comes back as the file's
+own bytes (`GgufBlocks`).
 """
 
 from __future__ import annotations

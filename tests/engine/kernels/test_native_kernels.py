@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
     reason="the native kernels did not build here (the fallback is tested in test_gguf_linear.py)",
 )
 
-TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K]
 ALL_VARIANTS = ["avx512vnni", "avxvnni", "avx2", "scalar"]
 
 
@@ -44,6 +44,7 @@ PACKED = {
     "Q4_0_R16": (T.Q4_0, "rows16"),
     "Q5_0_R16": (T.Q5_0, "rows16"),
     "Q8_0_R16": (T.Q8_0, "rows16"),
+    "MXFP4_R16": (T.MXFP4, "rows16"),
 }
 ROWS16_FORMS = [form for form in PACKED if form.endswith("_R16")]
 FORMS = [t.name for t in TYPES] + list(PACKED)
@@ -170,7 +171,7 @@ def test_rows16_equals_the_per_row_layout_exactly_in_integers(
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q8_0", "Q4_K_X", *ROWS16_FORMS])
+@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q8_0", "MXFP4", "Q4_K_X", *ROWS16_FORMS])
 def test_a_row_is_the_same_alone_or_in_any_batch(form: str, variant: str) -> None:
     k, n = 512, 37  # two full groups of 16 and a tail of 5
     blocks, qtype = operands(form, random_blocks(file_type(form), n, k, seed=5), variant)
@@ -183,7 +184,7 @@ def test_a_row_is_the_same_alone_or_in_any_batch(form: str, variant: str) -> Non
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
-    "form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16", "Q5_0_R16"]
+    "form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_X", "Q4_K_R16", "Q6_K_R16", "Q5_0_R16", "MXFP4_R16"]
 )
 def test_two_activation_passes(form: str, variant: str) -> None:
     """The second pass rounds what the first left: within the bound of a rounding of the
@@ -212,7 +213,7 @@ def test_two_activation_passes(form: str, variant: str) -> None:
     assert ((two - ref).abs() <= 1e-5 * (x.double().abs() @ w.abs().T)).all()
 
 
-@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_R16", "Q6_K_R16"])
+@pytest.mark.parametrize("form", ["Q4_K", "Q6_K", "Q5_0", "Q4_K_R16", "Q6_K_R16", "MXFP4_R16"])
 def test_one_and_two_threads_agree(form: str) -> None:
     blocks, qtype = operands(form, random_blocks(file_type(form), 300, 512, seed=6), "avx512vnni")
     x = torch.randn(11, 512, generator=torch.Generator().manual_seed(6))
@@ -225,6 +226,52 @@ def test_one_and_two_threads_agree(form: str) -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+# MXFP4 (gpt-oss's experts): odd row counts and tails of 16-row groups, one block (K = 32, an odd
+# block count for the AVX512 tiles that take blocks in pairs) up to gpt-oss's hidden width.
+MXFP4_SHAPES = [(1, 32), (7, 64), (17, 96), (33, 2880)]  # (N, K)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("form", ["MXFP4", "MXFP4_R16"])
+@pytest.mark.parametrize(("n", "k"), MXFP4_SHAPES)
+def test_mxfp4_shapes_and_row_counts(form: str, variant: str, n: int, k: int) -> None:
+    """1 to 8 rows: exact integer products equal gguf's dequantization bit for bit; random rows
+    stay within 1e-5 of sum |x||w| of the scalar reference on the file's blocks."""
+    raw = random_blocks(T.MXFP4, n, k, seed=n, scale=2.0**-6)
+    blocks, qtype = operands(form, raw, variant)
+    w = gguf_reference(raw, T.MXFP4)  # [N, K]
+    gen = torch.Generator().manual_seed(k)
+    exact_x = torch.randint(-4, 5, (8, k), generator=gen).float()
+    exact_x[:, ::16] = 127.0
+    noisy_x = torch.randn(8, k, generator=gen)
+    for m in range(1, 9):
+        got = gguf_ops.mm(exact_x[:m], blocks, qtype, variant).double()
+        assert torch.equal(got, exact_x[:m].double() @ w.T), f"{m} rows"
+        got = gguf_ops.mm(noisy_x[:m], blocks, qtype, variant)
+        ref = gguf_ops.mm(noisy_x[:m], raw, int(T.MXFP4), "scalar")
+        scale = noisy_x[:m].abs() @ w.abs().float().T
+        assert ((got - ref).abs() <= 1e-5 * scale).all(), f"{m} rows"
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # gguf's 12 * 2^127
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("form", ["MXFP4", "MXFP4_R16"])
+def test_mxfp4_every_scale_byte(form: str, variant: str) -> None:
+    """E8M0 bytes 0..255 dequantize as gguf does (0 and 1 are subnormal floats); the kernels read
+    the smallest ones (subnormal scales) right too."""
+    raw = random_blocks(T.MXFP4, 16 * 3, 512, seed=11)
+    raw.view(-1, 17)[:, 0] = torch.arange(256, dtype=torch.uint8).repeat(3)  # 768 blocks
+    blocks, qtype = operands(form, raw, "avx512vnni")
+    assert torch.equal(gguf_ops.dequantize(blocks, qtype).double(), gguf_reference(raw, T.MXFP4))
+    raw.view(-1, 17)[:, 0] = torch.arange(768, dtype=torch.uint8) % 4  # 2^-128 .. 2^-125
+    blocks, qtype = operands(form, raw, variant)
+    w = gguf_reference(raw, T.MXFP4)
+    x = torch.randint(-4, 5, (3, 512), generator=torch.Generator().manual_seed(11)).float()
+    x[:, ::16] = 127.0
+    got = gguf_ops.mm(x, blocks, qtype, variant).double()
+    assert ((got - x.double() @ w.T).abs() <= 1e-6 * (x.double().abs() @ w.abs().T)).all()
 
 
 def test_odd_shapes_are_rejected_with_a_reason() -> None:

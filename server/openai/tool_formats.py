@@ -72,8 +72,12 @@ FORMATS: dict[str, ToolFormat] = {
             joiner="; ",
             args_key="parameters",
         ),
-        ToolFormat("mistral", ("[TOOL_CALLS]",), array=True, open="[TOOL_CALLS][", joiner=", ", close="]"),  # fmt: skip
-        ToolFormat("granite", ("<|tool_call|>",), array=True, open="<|tool_call|>[", joiner=", ", close="]"),  # fmt: skip
+        ToolFormat(
+            "mistral", ("[TOOL_CALLS]",), array=True, open="[TOOL_CALLS][", joiner=", ", close="]"
+        ),  # fmt: skip
+        ToolFormat(
+            "granite", ("<|tool_call|>",), array=True, open="<|tool_call|>[", joiner=", ", close="]"
+        ),  # fmt: skip
         ToolFormat(
             "phi4_mini_json",
             starts=("<|tool_call|>", "functools"),

@@ -33,30 +33,100 @@ TIME = ["get_time", '{"zone": 2}']
 
 # (format, model text, expected content, expected [name, arguments] per call)
 CASES: list[tuple[str, str, str | None, list[list[str]]]] = [
-    ("hermes", f'<tool_call>\n{{"name": "get_weather", "arguments": {PARIS}}}\n</tool_call>', None, [WEATHER]),  # fmt: skip
+    (
+        "hermes",
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {PARIS}}}\n</tool_call>',
+        None,
+        [WEATHER],
+    ),  # fmt: skip
     ("llama3_json", f'{{"name": "get_weather", "parameters": {PARIS}}}', None, [WEATHER]),
-    ("llama3_json", f'{{"name": "get_weather", "parameters": {PARIS}}}; {{"name": "get_time", "parameters": {{"zone": 2}}}}', None, [WEATHER, TIME]),  # fmt: skip
-    ("llama3_json", f'Let me look.<|python_tag|>{{"name": "get_weather", "arguments": {PARIS}}}', "Let me look.", [WEATHER]),  # fmt: skip
+    (
+        "llama3_json",
+        f'{{"name": "get_weather", "parameters": {PARIS}}}; {{"name": "get_time", "parameters": {{"zone": 2}}}}',
+        None,
+        [WEATHER, TIME],
+    ),  # fmt: skip
+    (
+        "llama3_json",
+        f'Let me look.<|python_tag|>{{"name": "get_weather", "arguments": {PARIS}}}',
+        "Let me look.",
+        [WEATHER],
+    ),  # fmt: skip
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
-    ("mistral", f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {PARIS}}}, {{"name": "get_time", "arguments": {{"zone": 2}}}}]', None, [WEATHER, TIME]),  # fmt: skip
-    ("mistral", f'Checking.[TOOL_CALLS][{{"name": "get_weather", "arguments": {PARIS}}}]', "Checking.", [WEATHER]),  # fmt: skip
+    (
+        "mistral",
+        f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {PARIS}}}, {{"name": "get_time", "arguments": {{"zone": 2}}}}]',
+        None,
+        [WEATHER, TIME],
+    ),  # fmt: skip
+    (
+        "mistral",
+        f'Checking.[TOOL_CALLS][{{"name": "get_weather", "arguments": {PARIS}}}]',
+        "Checking.",
+        [WEATHER],
+    ),  # fmt: skip
     ("mistral", "[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
-    ("granite", f'<|tool_call|>[{{"name": "get_weather", "arguments": {PARIS}}}]', None, [WEATHER]),  # fmt: skip
-    ("granite", f'Sure. <|tool_call|>[{{"arguments": {{"zone": 2}}, "name": "get_time"}}]', "Sure.", [TIME]),  # fmt: skip
-    ("phi4_mini_json", f'<|tool_call|>[{{"name": "get_weather", "arguments": {PARIS}}}, {{"name": "get_time", "arguments": {{"zone": 2}}}}]<|/tool_call|>', None, [WEATHER, TIME]),  # fmt: skip
-    ("phi4_mini_json", f'I will call it.<|tool_call|>{{"name": "get_weather", "arguments": {PARIS}}}<|/tool_call|> Done.', "I will call it. Done.", [WEATHER]),  # fmt: skip
-    ("phi4_mini_json", f'functools[{{"name": "get_weather", "arguments": {PARIS}}}]', None, [WEATHER]),  # fmt: skip
+    (
+        "granite",
+        f'<|tool_call|>[{{"name": "get_weather", "arguments": {PARIS}}}]',
+        None,
+        [WEATHER],
+    ),  # fmt: skip
+    (
+        "granite",
+        'Sure. <|tool_call|>[{"arguments": {"zone": 2}, "name": "get_time"}]',
+        "Sure.",
+        [TIME],
+    ),  # fmt: skip
+    (
+        "phi4_mini_json",
+        f'<|tool_call|>[{{"name": "get_weather", "arguments": {PARIS}}}, {{"name": "get_time", "arguments": {{"zone": 2}}}}]<|/tool_call|>',
+        None,
+        [WEATHER, TIME],
+    ),  # fmt: skip
+    (
+        "phi4_mini_json",
+        f'I will call it.<|tool_call|>{{"name": "get_weather", "arguments": {PARIS}}}<|/tool_call|> Done.',
+        "I will call it. Done.",
+        [WEATHER],
+    ),  # fmt: skip
+    (
+        "phi4_mini_json",
+        f'functools[{{"name": "get_weather", "arguments": {PARIS}}}]',
+        None,
+        [WEATHER],
+    ),  # fmt: skip
     ("glm4", f"get_weather\n{PARIS}", None, [WEATHER]),
-    ("glm4", f"get_weather\n{PARIS}\nget_time\n{{\"zone\": 2}}", None, [WEATHER, TIME]),
+    ("glm4", f'get_weather\n{PARIS}\nget_time\n{{"zone": 2}}', None, [WEATHER, TIME]),
     ("glm4", "\nThe weather is fine.", "The weather is fine.", []),
     ("glm4", "get_weather is a tool I have.", "get_weather is a tool I have.", []),
     # Strings that look like markers or braces stay inside the arguments.
-    ("granite", '<|tool_call|>[{"name": "get_time", "arguments": {"q": "}] <|tool_call|> ["}}]', None, [["get_time", '{"q": "}] <|tool_call|> ["}']]),  # fmt: skip
+    (
+        "granite",
+        '<|tool_call|>[{"name": "get_time", "arguments": {"q": "}] <|tool_call|> ["}}]',
+        None,
+        [["get_time", '{"q": "}] <|tool_call|> ["}']],
+    ),  # fmt: skip
     # Malformed or cut short: never an error; what there is, as content or a partial call.
-    ("granite", '<|tool_call|>[{"name": "get_time", "arguments": {"zone": ', None, [["get_time", '{"zone":']]),  # fmt: skip
-    ("mistral", '[TOOL_CALLS][{"nam', "[TOOL_CALLS][{\"nam", []),
-    ("phi4_mini_json", '<|tool_call|>{"name": 3}<|/tool_call|>', '<|tool_call|>{"name": 3}<|/tool_call|>', []),  # fmt: skip
-    ("hermes", "<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),  # fmt: skip
+    (
+        "granite",
+        '<|tool_call|>[{"name": "get_time", "arguments": {"zone": ',
+        None,
+        [["get_time", '{"zone":']],
+    ),  # fmt: skip
+    ("mistral", '[TOOL_CALLS][{"nam', '[TOOL_CALLS][{"nam', []),
+    (
+        "phi4_mini_json",
+        '<|tool_call|>{"name": 3}<|/tool_call|>',
+        '<|tool_call|>{"name": 3}<|/tool_call|>',
+        [],
+    ),  # fmt: skip
+    (
+        "hermes",
+        "<tool_call>not json</tool_call> after",
+        "<tool_call>not json</tool_call> after",
+        [],
+    ),  # fmt: skip
 ]
 
 
@@ -113,7 +183,7 @@ def test_arguments_stream_before_the_call_ends() -> None:
 
 TEMPLATES = {
     "hermes": "{%- if tools %}For each function call, return a json object within <tool_call></tool_call> XML tags{%- endif %}",  # fmt: skip
-    "llama3_json": "{%- if builtin_tools is defined or tools is not none %}{{- '<|python_tag|>' }}{%- endif %}Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.",  # fmt: skip
+    "llama3_json": '{%- if builtin_tools is defined or tools is not none %}{{- \'<|python_tag|>\' }}{%- endif %}Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.',  # fmt: skip
     "mistral": "{%- if message.tool_calls %}{{- '[TOOL_CALLS][' }}{%- for tool_call in message.tool_calls %}{%- endfor %}",  # fmt: skip
     "granite": "{%- elif message['role'] == 'assistant_tool_call' %}{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + message['content'] + '<|end_of_text|>' }}",  # fmt: skip
     "phi4_mini_json": "{% if message['role'] == 'system' and 'tools' in message %}{{'<|system|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>'}}{% endif %}",  # fmt: skip

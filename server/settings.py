@@ -20,7 +20,11 @@ from pydantic_settings import (
 )
 
 from engine.config import PROPOSERS, EngineConfig, Quantization, SpecMethod, SpeculativeConfig
-from server.openai.tool_formats import ToolParserName
+
+# The tool-call formats of server/openai/tool_formats.py (named like vLLM's --tool-call-parser).
+ToolParserName = Literal[
+    "auto", "hermes", "llama3_json", "mistral", "granite", "phi4_mini_json", "glm4"
+]
 
 # Engine settings renamed at the edge (settings key -> SpeculativeConfig field); every other engine
 # setting has its field's own name. Engine fields with no key here: tokenizer, num_kv_blocks, seed.

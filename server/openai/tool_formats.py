@@ -23,13 +23,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 from engine.sample.structured import JSON_OPTIONS
-
-ToolParserName = Literal[
-    "auto", "hermes", "llama3_json", "mistral", "granite", "phi4_mini_json", "glm4"
-]
+from server.settings import ToolParserName
 
 
 @dataclass(frozen=True)

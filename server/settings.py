@@ -21,6 +21,11 @@ from pydantic_settings import (
 
 from engine.config import PROPOSERS, EngineConfig, Quantization, SpecMethod, SpeculativeConfig
 
+# The tool-call formats of server/openai/tool_formats.py (named like vLLM's --tool-call-parser).
+ToolParserName = Literal[
+    "auto", "hermes", "llama3_json", "mistral", "granite", "phi4_mini_json", "glm4"
+]
+
 # Engine settings renamed at the edge (settings key -> SpeculativeConfig field); every other engine
 # setting has its field's own name. Engine fields with no key here: tokenizer, num_kv_blocks, seed.
 _RENAMED = {
@@ -221,6 +226,11 @@ class Settings(BaseSettings):
         default=30 * 86400.0,
         ge=0,
         description="seconds a stored response is kept (0: until the size limit evicts it)",
+    )
+    tool_call_parser: ToolParserName = Field(
+        default="auto",
+        description="the model's tool-call format: hermes (Qwen), llama3_json, mistral, granite, "
+        "phi4_mini_json, glm4 (GLM-4-0414); auto: the one its chat template shows, else hermes",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="logging"

@@ -120,6 +120,7 @@ class LLMEngine:
                 stop,
                 params.skip_special_tokens,
                 track_tokens=params.token_origins,
+                kept_special_ids=params.kept_special_ids,
             ),
             seed_stream=None if params.seed is None else SeedStream.of(params.seed, params.choice),
             num_speculative_tokens=self.scheduler.request_k(params),

@@ -125,7 +125,25 @@ def build_decoder(architecture: str, config: PretrainedConfig) -> DecoderModel:
         shape = _granite_switches(config, shape)
     if architecture == "SmolLM3ForCausalLM":
         shape = _smollm3_switches(config, shape)
+    if architecture in ("MistralForCausalLM", "Qwen2ForCausalLM"):
+        shape = _window_switches(architecture, config, shape)
     return DecoderModel(shape)
+
+
+def _window_switches(
+    architecture: str, config: PretrainedConfig, shape: DecoderShape
+) -> DecoderShape:
+    """Mistral's window on every layer; Qwen2's (with use_sliding_window) on the layers from
+    max_window_layers on, as transformers' config lists them in layer_types. Windowed layers are
+    of another kind than full ones, so such a model runs the Python layer loop."""
+    window = getattr(config, "sliding_window", None)
+    if architecture == "MistralForCausalLM":
+        types = ("sliding_attention",) * shape.num_layers if window else ()
+    else:  # transformers' Qwen2Config drops the window without use_sliding_window
+        types = tuple(getattr(config, "layer_types", None) or ())
+    if not window or "sliding_attention" not in types:
+        return shape
+    return replace(shape, sliding_window=int(window), layer_types=types)
 
 
 def _granite_switches(config: PretrainedConfig, shape: DecoderShape) -> DecoderShape:

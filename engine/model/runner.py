@@ -129,10 +129,13 @@ class ModelRunner:
         limit = int(self.hf_config.max_position_embeddings)
         limit = min(limit, rope_positions_limit(self.hf_config) or limit)
         if self.model.shape.sliding_window is not None:
-            return limit  # its layers' windows are honoured (Gemma 3): no limit of theirs
+            return limit  # its layers' windows are honoured (Gemma 3, gpt-oss, Mistral, Qwen2)
         window = getattr(self.hf_config, "sliding_window", None)
         uses_window = getattr(self.hf_config, "use_sliding_window", True)
-        # Other families' attention is full here: past their window the model would be wrong.
+        types = getattr(self.hf_config, "layer_types", None)
+        if types is not None and "sliding_attention" not in types:
+            return limit  # transformers windows none of its layers (Qwen2's max_window_layers)
+        # Other families' windows (Phi-3's) are not kept here: past them the model would be wrong.
         return min(limit, int(window)) if window and uses_window else limit
 
     @property

@@ -25,9 +25,11 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...],
         skip_special_tokens: bool,
         track_tokens: bool = False,  # keep where each token's text ends (for `token_texts`)
+        kept_special_ids: tuple[int, ...] = (),  # special tokens whose text is kept anyway
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._skipped = _skipped_ids(tokenizer, kept_special_ids) if kept_special_ids else None
         self._stop = tuple(s for s in stop if s)
         self._window = list(prompt_token_ids[-_PROMPT_CONTEXT:])  # ids around the read point
         self._prefix_offset = 0  # window[prefix_offset:read_offset]: context already emitted
@@ -109,10 +111,11 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._window)
 
     def _decode(self, token_ids: list[int]) -> str:
+        skip = self._skip_special_tokens
+        if skip and self._skipped is not None:  # skip all special tokens but the kept ones
+            token_ids, skip = [t for t in token_ids if t not in self._skipped], False
         text: str = self._tokenizer.decode(
-            token_ids,
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
+            token_ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
         )
         return text
 
@@ -136,3 +139,10 @@ class IncrementalDetokenizer:
                     longest = length
                     break
         return longest
+
+
+def _skipped_ids(tokenizer: Any, kept: tuple[int, ...]) -> frozenset[int]:
+    """The special tokens decoding skips, less the kept ones."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {i for i, token in added.items() if getattr(token, "special", False)}
+    return frozenset((special | set(tokenizer.all_special_ids)) - set(kept))

@@ -25,6 +25,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-n alternatives for each sampled token (0: only the token)
     prompt_logprobs: int | None = None  # same for prompt tokens (echo)
     skip_special_tokens: bool = True
+    # Special tokens whose text stays though special tokens are skipped (a tool-call format's
+    # markers, such as Mistral's [TOOL_CALLS], which the server's parser must see).
+    kept_special_ids: tuple[int, ...] = ()
     num_speculative_tokens: int | None = None  # None: the server's k; 0: no speculation
     token_origins: bool = False  # each output carries its tokens' texts and origins (TokenSpan)
     # logit_bias and grammar (engine/sample/structured.py); None: unconstrained

@@ -123,7 +123,7 @@ class AnthropicServingMessages(OpenAIServingChat):
     ) -> MessagesResponse:
         (c,) = await self.collect(raw, jobs)
         builder = BlockBuilder()
-        builder.feed(whole_output(c.text, chat))
+        builder.feed(whole_output(c.text, chat, self.tool_format))
         builder.close()
         reason, sequence = stop_reason(c, builder.has_tool_use, chat)
         return MessagesResponse(
@@ -155,7 +155,7 @@ class AnthropicServingMessages(OpenAIServingChat):
             async with aclosing(self.run(jobs)) as outputs:
                 async for _, out in outputs:
                     c.add(out)
-                    for event in builder.feed(output_delta(c, out, chat)):
+                    for event in builder.feed(output_delta(c, out, chat, self.tool_format)):
                         yield _sse(event)
         except Exception as exc:
             yield _sse(as_api_error(exc).anthropic_body())

@@ -1,16 +1,25 @@
 """/v1/chat/completions: a conversation through the chat template to an assistant message,
-whole or streamed; with tools, the model's `<tool_call>` blocks become `message.tool_calls`."""
+whole or streamed; with tools, the model's calls (in its family's format, tool_formats.py) become
+`message.tool_calls`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
 from engine.outputs import RequestOutput, TokenLogprob
 from server.errors import bad_request
-from server.openai.protocol import ChatCompletionRequest, TokenizeRequest, ToolCall, random_id
+from server.metrics import Metrics
+from server.openai.protocol import (
+    ChatCompletionRequest,
+    GrammarRequest,
+    TokenizeRequest,
+    ToolCall,
+    random_id,
+)
 from server.openai.protocol_out import (
     ChatChoice,
     ChatChunkChoice,
@@ -35,11 +44,21 @@ from server.openai.serving import (
     total_spec,
     usage_of,
 )
+from server.openai.tool_formats import ToolFormat, marker_token_ids, tool_call_grammar, tool_format
 from server.openai.tool_parser import ParsedDelta, ToolCallParser, parse_message
+from server.settings import Settings
+
+if TYPE_CHECKING:
+    from engine.core.async_engine import AsyncLLM
 
 
 class OpenAIServingChat(OpenAIServing):
     endpoint = "chat_completions"
+
+    def __init__(self, engine: AsyncLLM, settings: Settings, metrics: Metrics) -> None:
+        super().__init__(engine, settings, metrics)
+        self.tool_format = tool_format(settings.tool_call_parser, self.tokenizer)
+        self.tool_tokens = marker_token_ids(self.tool_format, self.tokenizer)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> ChatCompletionResponse:
         response_id = random_id("chatcmpl")
@@ -88,10 +107,25 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("the conversation renders to an empty prompt", "messages")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_new_tokens or max(1, self.max_model_len - len(ids))
-        constraints = await self.constraints(req, req.grammar_request())
+        constraints = await self.constraints(req, self.grammar_request(req))
         jobs = self.jobs(req, response_id, [(ids, text)], max_tokens, param, constraints)
+        if req.uses_tools and self.tool_tokens:
+            kept = tuple(self.tool_tokens.values())
+            jobs = [replace(j, params=replace(j.params, kept_special_ids=kept)) for j in jobs]
         self.check_capacity(jobs)
         return jobs
+
+    def grammar_request(self, req: ChatCompletionRequest) -> GrammarRequest | None:
+        """A forced tool call's grammar, in the model's format; else the request's own."""
+        forced = req.forced_tools()
+        if not forced:
+            return req.grammar_request()
+        functions = [f.model_dump(exclude_none=True) for f in forced]
+        # Several calls only when asked for: the model rarely ends a run of calls by itself (its
+        # turn end, <|im_end|>, is not the end of text a grammar may stop at).
+        parallel = req.parallel_tool_calls is True
+        grammar = tool_call_grammar(self.tool_format, functions, parallel, self.tool_tokens)
+        return GrammarRequest("tool_choice", "lark", grammar)
 
     # ------------------------------------------------------------------ responses
 
@@ -99,7 +133,7 @@ class OpenAIServingChat(OpenAIServing):
         message = ChatResponseMessage(content=c.text)
         finish_reason = c.finish_reason
         if req.uses_tools:
-            parsed = parse_message(c.text, req.tool_names)
+            parsed = parse_message(c.text, req.tool_names, self.tool_format)
             calls = [ToolCall.model_validate(call) for call in parsed.calls]
             message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
             finish_reason = _finish_reason(finish_reason, bool(calls))
@@ -122,7 +156,7 @@ class OpenAIServingChat(OpenAIServing):
         delta = DeltaMessage(role="assistant" if first else None, content=out.new_text)
         finish_reason = c.finish_reason
         if req.uses_tools:
-            delta, has_calls = _tool_delta(c, out, req.tool_names)
+            delta, has_calls = _tool_delta(c, out, req.tool_names, self.tool_format)
             delta.role = "assistant" if first else None
             finish_reason = _finish_reason(finish_reason, has_calls)
         choice = ChatChunkChoice(
@@ -164,9 +198,9 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def _tool_delta(
-    c: Choice, out: RequestOutput, tool_names: frozenset[str]
+    c: Choice, out: RequestOutput, tool_names: frozenset[str], fmt: ToolFormat
 ) -> tuple[DeltaMessage, bool]:
-    parsed = parsed_delta(c, out, tool_names)
+    parsed = parsed_delta(c, out, tool_names, fmt)
     calls = [
         DeltaToolCall(
             index=call.index,
@@ -180,11 +214,13 @@ def _tool_delta(
     return delta, c.state.has_calls
 
 
-def parsed_delta(c: Choice, out: RequestOutput, tool_names: frozenset[str]) -> ParsedDelta:
+def parsed_delta(
+    c: Choice, out: RequestOutput, tool_names: frozenset[str], fmt: ToolFormat
+) -> ParsedDelta:
     """This output's text through the choice's tool-call parser (one per choice, kept in
     `c.state`); every endpoint that parses tool calls streams through here."""
     if c.state is None:
-        c.state = ToolCallParser(tool_names=tool_names)
+        c.state = ToolCallParser(fmt, tool_names)
     parser: ToolCallParser = c.state
     parsed = parser.feed(out.new_text)
     if out.finished:
@@ -207,17 +243,19 @@ def _usage_chunk(last: Any, choices: list[Choice]) -> ChatCompletionChunk:
     return last.model_copy(update=update)  # type: ignore[no-any-return]
 
 
-def output_delta(c: Choice, out: RequestOutput, req: ChatCompletionRequest) -> ParsedDelta:
+def output_delta(
+    c: Choice, out: RequestOutput, req: ChatCompletionRequest, fmt: ToolFormat
+) -> ParsedDelta:
     """A streamed output as content and tool-call fragments (content only without tools)."""
     if req.uses_tools:
-        return parsed_delta(c, out, req.tool_names)
+        return parsed_delta(c, out, req.tool_names, fmt)
     return ParsedDelta(content=out.new_text)
 
 
-def whole_output(text: str, req: ChatCompletionRequest) -> ParsedDelta:
+def whole_output(text: str, req: ChatCompletionRequest, fmt: ToolFormat) -> ParsedDelta:
     """A finished output the same way, in one piece: what the stream's fragments add up to."""
     if not req.uses_tools:
         return ParsedDelta(content=text)
-    parser = ToolCallParser(tool_names=req.tool_names)
+    parser = ToolCallParser(fmt, req.tool_names)
     first, rest = parser.feed(text), parser.finish()
     return ParsedDelta(first.content + rest.content, first.calls + rest.calls)

@@ -23,7 +23,6 @@ from pydantic import (
 
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import MAX_BIAS, Constraints
-from server.openai.tool_parser import tool_call_grammar
 
 NonNegInt = Annotated[int, Field(ge=0)]
 # vLLM's extra fields naming a grammar, and the kind engine.sample.structured compiles them as
@@ -344,16 +343,6 @@ class ChatCompletionRequest(SamplingFields):
             return [f for f in tools if f.name == self.tool_choice.function.name]
         return tools if self.tool_choice == "required" else []
 
-    def grammar_request(self) -> GrammarRequest | None:
-        forced = self.forced_tools()
-        if not forced:
-            return super().grammar_request()
-        functions = [f.model_dump(exclude_none=True) for f in forced]
-        # Several calls only when asked for: the model rarely ends a run of calls by itself (its
-        # turn end, <|im_end|>, is not the end of text a grammar may stop at).
-        grammar = tool_call_grammar(functions, parallel=self.parallel_tool_calls is True)
-        return GrammarRequest("tool_choice", "lark", grammar)
-
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
@@ -372,7 +361,7 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _tools_or_format(self) -> ChatCompletionRequest:
-        if self.forced_tools() and super().grammar_request() is not None:
+        if self.forced_tools() and self.grammar_request() is not None:
             raise ValueError("tool_choice required or named excludes response_format and guided_*")
         return self
 

@@ -29,7 +29,6 @@ from server.errors import APIError, bad_request, not_ready
 from server.metrics import Metrics
 from server.openai.protocol import GrammarRequest, SamplingFields, now
 from server.openai.protocol_out import SpecDecodeSummary, TokenOrigin, UsageInfo
-from server.openai.tool_parser import tool_tags_as_tokens
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -199,8 +198,6 @@ class OpenAIServing:
             return Constraints(logit_bias=bias)
         try:
             text = structured.grammar_from(grammar.kind, grammar.spec)
-            if grammar.param == "tool_choice":
-                text = tool_tags_as_tokens(text, self.tokenizer)
             await asyncio.to_thread(structured.check_grammar, text, self.tokenizer)
         except ValueError as exc:
             raise bad_request(f"{grammar.param}: {exc}", grammar.param) from None

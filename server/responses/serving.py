@@ -160,7 +160,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     def _whole(self, p: Prepared, c: Choice) -> ResponseObject:
         builder = OutputBuilder()
-        builder.feed(whole_output(c.text, p.chat))
+        builder.feed(whole_output(c.text, p.chat, self.tool_format))
         builder.finish(_item_status(c))
         return self._final(p, builder, c)
 
@@ -284,7 +284,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                 # never holds text a client did not get.
                 self._checkpoint(p, progress)
                 c.add(out)
-                for event in builder.feed(output_delta(c, out, p.chat)):
+                for event in builder.feed(output_delta(c, out, p.chat, self.tool_format)):
                     yield event
         for event in builder.finish(_item_status(c)):
             yield event

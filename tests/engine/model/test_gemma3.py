@@ -106,7 +106,7 @@ def test_gemma3_is_the_decoder_with_gemma_switches(loaded: LoadedModel) -> None:
     assert shape.activation == "gelu_tanh" and shape.embed_scale == 64**0.5
     assert shape.attention_scale == 24**-0.5 and shape.tie_word_embeddings
     assert shape.sliding_window == WINDOW and shape.layer_types == tuple(LAYER_TYPES)
-    # the window is honoured, so the context is not clipped to it (as it is for Mistral's)
+    # the window is honoured, so the context is not clipped to it
     assert _runner(loaded).max_model_len == loaded.hf_config.max_position_embeddings
 
 

@@ -247,7 +247,8 @@ def _moe(shape: DecoderShape) -> MoE:
         args = (shape.hidden_size, moe.expert_size, moe.swiglu_alpha, moe.swiglu_limit)
         return MoE(shape.hidden_size, moe, partial(ClampedSwiGLUExpert, *args))
     expert_shape = replace(shape, intermediate_size=moe.expert_size)
-    return MoE(shape.hidden_size, moe, partial(MLP, expert_shape))
+    silu = shape.activation == "silu"
+    return MoE(shape.hidden_size, moe, partial(MLP, expert_shape), silu_experts=silu)
 
 
 # transformers parameter name suffix -> (our parameter, shard index within a fused parameter)

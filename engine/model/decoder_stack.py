@@ -185,7 +185,7 @@ def _linears(layer: DecoderLayer) -> list[torch.nn.Module]:
 
 def _experts(layer: DecoderLayer) -> ExpertBlocks | None:
     assert isinstance(layer.mlp, MoE)
-    return expert_blocks(layer.mlp.experts)
+    return expert_blocks(layer.mlp.experts) if layer.mlp.silu_experts else None
 
 
 def _gguf_only(linear: torch.nn.Module) -> bool:

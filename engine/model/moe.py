@@ -74,10 +74,17 @@ def _row_by_row(
 
 class MoE(nn.Module):
     """The routed MLP; `make_expert()` builds one expert (the decoder's gated MLP at the
-    experts' size)."""
+    experts' size, `silu_experts` where its activation is SiLU)."""
 
-    def __init__(self, hidden_size: int, moe: MoeShape, make_expert: Callable[[], nn.Module]):
+    def __init__(
+        self,
+        hidden_size: int,
+        moe: MoeShape,
+        make_expert: Callable[[], nn.Module],
+        silu_experts: bool = False,  # each expert the decoder's gated SiLU MLP: native-ready
+    ) -> None:
         super().__init__()
+        self.silu_experts = silu_experts
         self.gate = Router(hidden_size, moe)  # transformers' and the checkpoints' name
         self.experts = nn.ModuleList(make_expert() for _ in range(moe.num_experts))
 
@@ -111,7 +118,7 @@ class MoE(nn.Module):
     def native(self) -> native_experts.NativeExperts | None:
         """The experts as one native call a step (quant.native_experts), once they are loaded:
         GGUF experts of one type on the native kernels. Else None: the grouping below."""
-        return native_experts.build(self.experts)
+        return native_experts.build(self.experts) if self.silu_experts else None
 
     def _one_row(
         self,

@@ -43,15 +43,12 @@ class NativeExperts(Protocol):
 
 
 def expert_blocks(experts: nn.ModuleList) -> ExpertBlocks | None:
-    """The experts' blocks, or None where they do not all run as one native call."""
-    from engine.model.decoder import MLP, silu_mul  # the decoder builds the experts
-
+    """The blocks of experts that are gated SiLU MLPs (the caller knows), or None where they do
+    not all run as one native call."""
     if ACTIVATION_PASSES != 1 or not fused_ops.loaded():
         return None
     gate_up, down = [], []
     for expert in experts:
-        if not isinstance(expert, MLP) or expert.gated is not silu_mul:
-            return None
         pair = [_one_gguf_kernel(expert.gate_up_proj), _one_gguf_kernel(expert.down_proj)]
         if pair[0] is None or pair[1] is None:
             return None
@@ -67,7 +64,8 @@ def expert_blocks(experts: nn.ModuleList) -> ExpertBlocks | None:
 
 
 def build(experts: nn.ModuleList) -> NativeExperts | None:
-    """The native experts, or None where they do not apply (the eager grouping then runs)."""
+    """The native experts (gated SiLU MLPs: the caller knows), or None where they do not apply
+    (the eager grouping then runs)."""
     blocks = expert_blocks(experts)
     if blocks is None or not _library_has_experts():
         return None
@@ -77,7 +75,7 @@ def build(experts: nn.ModuleList) -> NativeExperts | None:
     return native
 
 
-def _one_gguf_kernel(linear: nn.Module) -> GgufKernel | None:
+def _one_gguf_kernel(linear: object) -> GgufKernel | None:
     if not isinstance(linear, QuantLinear) or linear.bias is not None or len(linear.kernels) != 1:
         return None
     kernel = linear.kernels[0]

@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-SpecMethod = Literal["none", "draft", "ngram", "hybrid", "eagle3", "hybrid-eagle3", "mtp"]
+SpecMethod = Literal[
+    "none", "draft", "ngram", "hybrid", "eagle3", "hybrid-eagle3", "mtp", "gemma4-assistant"
+]
 # The proposers each method runs: hybrid takes an n-gram match where there is one, else the draft;
 # eagle3 an EAGLE-3 head (draft_model: its folder) reading the target's hidden states, and
 # hybrid-eagle3 an n-gram match where there is one, else the head; mtp the target's own
-# multi-token-prediction layer (Qwen3.5's, from its checkpoint).
+# multi-token-prediction layer (Qwen3.5's, from its checkpoint); gemma4-assistant Gemma 4's
+# assistant draft (draft_model: its folder) reading the target's K/V and last hidden state.
 PROPOSERS: dict[str, tuple[str, ...]] = {
     "none": (),
     "draft": ("draft",),
@@ -18,7 +21,12 @@ PROPOSERS: dict[str, tuple[str, ...]] = {
     "eagle3": ("eagle3",),
     "hybrid-eagle3": ("ngram", "eagle3"),
     "mtp": ("mtp",),
+    "gemma4-assistant": ("gemma4-assistant",),
 }
+# proposers whose draft_model must be given
+NEEDS_DRAFT_MODEL = frozenset({"draft", "eagle3", "gemma4-assistant"})
+# proposers that read the target's kept hidden states (no tensor parallelism yet)
+READS_TARGET_STATE = frozenset({"eagle3", "mtp", "gemma4-assistant"})
 Dtype = Literal["float32", "bfloat16", "float16"]
 # auto: a GGUF's quantized tensors stay quantized (int4 for Q4_K, int8 for the others), float
 # checkpoints stay float; none: everything dequantized to `dtype`; int8 / int4: float
@@ -64,7 +72,7 @@ class SpeculativeConfig:
             )
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
-        if {"draft", "eagle3"} & set(self.proposers) and not self.draft_model:
+        if NEEDS_DRAFT_MODEL & set(self.proposers) and not self.draft_model:
             raise ValueError(f"speculative method {self.method!r} needs a draft_model")
         if not 0.0 <= self.draft_p_min < 1.0:
             raise ValueError("draft_p_min must be in [0, 1)")
@@ -118,7 +126,7 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        if self.tensor_parallel_size > 1 and {"eagle3", "mtp"} & set(self.speculative.proposers):
+        if self.tensor_parallel_size > 1 and READS_TARGET_STATE & set(self.speculative.proposers):
             raise ValueError(f"{self.speculative.method} does not run with tensor parallelism yet")
         if self.tensor_parallel_size > 1 and self.speculative.draft_model == self.model:
             raise ValueError("with tensor parallelism the draft must be a different model")

@@ -19,7 +19,14 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from engine.config import PROPOSERS, EngineConfig, Quantization, SpecMethod, SpeculativeConfig
+from engine.config import (
+    NEEDS_DRAFT_MODEL,
+    PROPOSERS,
+    EngineConfig,
+    Quantization,
+    SpecMethod,
+    SpeculativeConfig,
+)
 
 # The tool-call formats of server/openai/tool_formats.py (named like vLLM's --tool-call-parser).
 ToolParserName = Literal[
@@ -238,7 +245,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
-        if {"draft", "eagle3"} & set(PROPOSERS[self.speculative_method]) and not self.draft_model:
+        if NEEDS_DRAFT_MODEL & set(PROPOSERS[self.speculative_method]) and not self.draft_model:
             raise ValueError(
                 f"draft_model: required when speculative_method is {self.speculative_method}"
             )

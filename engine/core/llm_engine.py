@@ -17,6 +17,7 @@ from engine.kernels import gguf_ops
 from engine.model import bundled
 from engine.model import device as devices
 from engine.model.eagle3 import load_eagle3_head
+from engine.model.gemma4_assistant import load_gemma4_assistant
 from engine.model.hybrid import HybridDecoderModel
 from engine.model.loader import check_same_vocab, load_model
 from engine.model.mtp import load_mtp_head
@@ -48,6 +49,7 @@ from engine.spec_decode.proposers import (
     Proposer,
 )
 from engine.spec_decode.proposers.forced import ForcedDraftProposer
+from engine.spec_decode.proposers.gemma4_assistant import Gemma4AssistantProposer
 from engine.spec_decode.step_cost import StepCosts, calibrate, calibration_rows
 from engine.spec_decode.verify import Verified, num_logits, verify_inputs, verify_step
 
@@ -376,7 +378,8 @@ class LLMEngine:
             spec = dataclasses.replace(spec, tree_width=1)
         self._ngram = NgramProposer(spec) if "ngram" in spec.proposers else None
         self._tree_width = spec.tree_width
-        self._eagle3: Eagle3Proposer | None = None
+        # the proposer reading the target's kept hidden states, priced as the draft
+        self._eagle3: Eagle3Proposer | Gemma4AssistantProposer | None = None
         if spec.method == "ngram":
             return self._ngram  # type: ignore[return-value]
         if "eagle3" in spec.proposers:
@@ -384,6 +387,8 @@ class LLMEngine:
             return head if self._ngram is None else HybridProposer(self._ngram, head)
         if spec.method == "mtp":
             return self._mtp_proposer()
+        if spec.method == "gemma4-assistant":
+            return self._assistant_proposer()
         if spec.method not in ("draft", "hybrid"):
             return NoProposer()
         assert spec.draft_model is not None
@@ -436,6 +441,18 @@ class LLMEngine:
         head = load_mtp_head(model, self.target.loaded.iter_weights())
         self.target.keep_aux_hidden((model.shape.num_layers,))
         self._eagle3 = MtpProposer(head, self.target)
+        return self._eagle3
+
+    def _assistant_proposer(self) -> Gemma4AssistantProposer:
+        """Gemma 4's assistant draft: reads the target's K/V in place and its final hidden
+        states, which the target now keeps by position."""
+        path = self.config.speculative.draft_model
+        assert path is not None
+        log.info("loading Gemma 4 assistant draft %s", path)
+        target = self.target
+        assistant = load_gemma4_assistant(path, target.hf_config, target.device, target.dtype)
+        target.keep_aux_hidden((target.model.shape.num_layers,))
+        self._eagle3 = Gemma4AssistantProposer(assistant, target)
         return self._eagle3
 
     def _verifies_trees(self) -> bool:

@@ -162,12 +162,20 @@ class Gemma4Model(DecoderModel):
         local = (self.local_rotary or self.rotary).tables(positions, x.dtype)
         per_layer = self._per_layer_inputs(input_ids, x)  # [T, layers, P] or None
         residual: torch.Tensor | None = None
+        aux: list[torch.Tensor] = []  # the kept streams (DecoderModel.aux_layers)
         for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x if residual is None else x.to(residual.dtype) + residual)
             kv = kv_caches[self.extras.kv_sources[i]]
             pli = None if per_layer is None else per_layer[:, i]
             x, residual = layer(x, residual, local if layer.sliding else rope, kv, meta, pli)
         dtype = x.dtype if residual is None else residual.dtype
-        return self.norm.add_forward(x, residual, dtype)[0]
+        out, stream = self.norm.add_forward(x, residual, dtype)
+        if len(self.layers) in self.aux_layers:
+            aux.append(stream.to(dtype))
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
+        return out
 
     def _per_layer_inputs(
         self,

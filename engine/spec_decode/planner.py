@@ -50,7 +50,8 @@ OPTIMISTIC_RATE = 0.9
 PROBE_K = 2  # drafts a request may get when it is re-probed
 FREE_CATCH_UP = 8  # tokens the draft model computes in its first forward without asking
 FED_BACK = 2  # rows a drafting request usually adds to the draft's first forward (last + bonus)
-FEATURE_HEADS = ("eagle3", "mtp")  # proposers that draft from the target's kept hidden states
+# proposers that draft from the target's kept hidden states
+FEATURE_HEADS = ("eagle3", "mtp", "gemma4-assistant")
 LENGTH_WINDOW = 8  # finished answers whose lower quartile is the typical length
 # A request is expected to run at most this many times the tokens it has produced so far: the
 # window tells how long answers run here, only the request's own tokens tell about this one.

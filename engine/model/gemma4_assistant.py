@@ -60,8 +60,9 @@ class OrderedHead(nn.Module):
     def __init__(self, hidden: int, vocab: int, num_centroids: int, top_k: int) -> None:
         super().__init__()
         self.centroids = nn.Linear(hidden, num_centroids, bias=False)
+        self.token_ordering: torch.Tensor  # [vocab]: the tokens of centroid c at c * vocab / C
         self.register_buffer("token_ordering", torch.empty(vocab, dtype=torch.long))
-        self.top_k = top_k
+        self.top_k, self.num_centroids = top_k, num_centroids
 
     def forward(
         self,
@@ -69,7 +70,7 @@ class OrderedHead(nn.Module):
         table: torch.Tensor,  # [vocab, hidden]: the head's rows
     ) -> torch.Tensor:  # [R, vocab] in the model dtype
         top = self.centroids(normed).topk(self.top_k, dim=-1).indices  # [R, top_k]
-        clusters = self.token_ordering.view(self.centroids.out_features, -1)  # [C, vocab / C]
+        clusters = self.token_ordering.view(self.num_centroids, -1)  # [C, vocab / C]
         ids = clusters[top].flatten(1)  # [R, top_k * vocab / C]
         scores = (normed.unsqueeze(1) @ table[ids].transpose(1, 2)).squeeze(1)  # [R, top_k*V/C]
         out = (scores.amin(-1, keepdim=True) - 1.0).expand(-1, table.shape[0]).clone()
@@ -157,6 +158,10 @@ def check_fits(config: PretrainedConfig, target: PretrainedConfig, sources: KVSo
         wanted[f"{kind} head_dim"] = (int(ours.head_dim), int(theirs.head_dim))
         kv_heads = (int(ours.num_key_value_heads), int(theirs.num_key_value_heads))
         wanted[f"{kind} KV heads"] = kv_heads
+    if config.use_ordered_embeddings and text.vocab_size % config.num_centroids:
+        raise ValueError(
+            f"ordered embeddings: {config.num_centroids} centroids do not divide the vocabulary"
+        )
     wrong = [f"{name} {a} (target {b})" for name, (a, b) in wanted.items() if a != b]
     if wrong:
         raise ValueError(f"the Gemma 4 assistant does not fit its target: {', '.join(wrong)}")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from engine_utils import chi_square_pvalue, greedy, hf_model, make_engine, outputs, random_prompts
+from test_gemma4 import GEMMA4, SMALL, _tiny_gemma4
 from test_qwen3_5_engine import NUM_SAMPLES, TEMPERATURE
 from test_qwen3_5_engine import _exact_pair_probs as exact_pair_probs
-from test_gemma4 import GEMMA4, _tiny_gemma4
 from tiny import make_tiny_model
 from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
@@ -68,6 +68,13 @@ def _write_assistant(path: Path, seed: int, **options: object) -> Path:
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny_gemma4(tmp_path_factory.mktemp("gemma4-target"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """E2B/E4B's shape: per-layer embeddings, the last two of six layers KV-shared (the assistant
+    reads layers 3 and 2, the last of each type that computes K/V)."""
+    return _tiny_gemma4(tmp_path_factory.mktemp("gemma4-small"), seed=2, **SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +160,21 @@ def _record(proposer: Gemma4AssistantProposer) -> tuple[list[list[Proposal]], li
     return proposals, logits
 
 
-@pytest.mark.parametrize("head", ["dense", "ordered"])
+@pytest.mark.parametrize(
+    ("target", "head"), [("plain", "dense"), ("plain", "ordered"), ("small", "dense")]
+)
 def test_drafts_equal_transformers_candidate_generator(
-    head: str, target_dir: Path, assistant_dir: Path, ordered_dir: Path
+    target: str,
+    head: str,
+    target_dir: Path,
+    small_dir: Path,
+    assistant_dir: Path,
+    ordered_dir: Path,
 ) -> None:
     """Four prompts batched (three past the window of 8): after the prompt's step, each request
     drafts K tokens behind the target's first token; they and their logits are transformers'."""
     draft_dir = assistant_dir if head == "dense" else ordered_dir
+    target_dir = target_dir if target == "plain" else small_dir
     engine = make_engine(target_dir, speculative=_spec(draft_dir))
     proposals, logits = _record(_proposer(engine))
     prompts = [random_prompts(1, (n, n), VOCAB, seed=n)[0] for n in (20, 5, 13, 33)]
@@ -204,11 +219,11 @@ def test_greedy_with_requests_joining_and_chunked_prefill(
     """Prompts in chunks of 9 tokens; a new request joins every other step while the others
     draft, and a pool too small for all of them preempts and recomputes some."""
     engine = make_engine(
-        target_dir, speculative=_spec(assistant_dir, k=3), num_kv_blocks=24,
+        target_dir, speculative=_spec(assistant_dir, k=3), num_kv_blocks=16,
         max_num_batched_tokens=9,
     )  # fmt: skip
     prompts = random_prompts(5, (6, 30), VOCAB, seed=43)
-    waiting, seqs, steps = list(enumerate(prompts)), [], 0
+    waiting, seqs, steps, preempted = list(enumerate(prompts)), [], 0, 0
     while waiting or engine.has_unfinished():
         if waiting and steps % 2 == 0:
             i, prompt = waiting.pop(0)
@@ -216,9 +231,10 @@ def test_greedy_with_requests_joining_and_chunked_prefill(
             seqs.append(engine.seqs[f"join-{i}"])
         engine.step()
         steps += 1
+        preempted += engine.last_stats.num_preemptions if engine.last_stats else 0
     assert [s.output_token_ids for s in seqs] == outputs(plain, prompts, greedy(MAX_TOKENS))
-    assert _drafted(seqs) > 0
-    assert engine.block_manager.num_free_blocks == 24
+    assert _drafted(seqs) > 0 and preempted > 0
+    assert engine.block_manager.num_free_blocks == 16
 
 
 def test_seeded_text_is_the_same_with_the_draft_on_and_off(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from transformers import PretrainedConfig
@@ -51,6 +52,11 @@ def gemma4_config(path: Path, meta: dict[str, object]) -> PretrainedConfig:
     local_kv, global_kv = _kv_heads(key("attention.head_count_kv"), types)
     head_dim, global_head_dim = _head_dims(key)
     per_layer = _int(key("embedding_length_per_layer_input", 0))
+    global_layer = {"head_dim": global_head_dim, "num_key_value_heads": global_kv}
+    extra: dict[str, Any] = {  # keywords Gemma4TextConfig takes beside its fields
+        "per_layer_config": {i: dict(global_layer) for i, kind in enumerate(types) if kind == FULL},
+        **_special_ids(meta),
+    }
     return Gemma4TextConfig(
         vocab_size=_rows(by_name["token_embd.weight"]),
         hidden_size=_int(key("embedding_length")),
@@ -59,11 +65,6 @@ def gemma4_config(path: Path, meta: dict[str, object]) -> PretrainedConfig:
         num_attention_heads=_int(key("attention.head_count")),
         num_key_value_heads=local_kv,
         head_dim=head_dim,
-        per_layer_config={
-            i: {"head_dim": global_head_dim, "num_key_value_heads": global_kv}
-            for i, kind in enumerate(types)
-            if kind == FULL
-        },
         attention_k_eq_v=_k_is_v(by_name, types, shared),
         layer_types=types,
         sliding_window=_int(key("attention.sliding_window")),
@@ -78,7 +79,7 @@ def gemma4_config(path: Path, meta: dict[str, object]) -> PretrainedConfig:
         use_double_wide_mlp=double_wide,
         rope_parameters=_rope(key, by_name, head_dim, global_head_dim),
         tie_word_embeddings="output.weight" not in by_name,
-        **_special_ids(meta),
+        **extra,
     )
 
 

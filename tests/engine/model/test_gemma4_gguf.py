@@ -16,7 +16,7 @@ from engine_utils import greedy, make_engine, outputs
 from family_utils import assert_greedy_equals_transformers, file_logits, hf_logits, prompt_ids
 from gguf import GGMLQuantizationType as T
 from gguf_gemma4 import gemma4_reference, write_gemma4_gguf
-from test_gemma4 import FULL, GEMMA4, LOCAL, SMALL, _tiny_gemma4
+from test_gemma4 import FULL, LOCAL, SMALL, _tiny_gemma4
 from tiny import CHAT_TEMPLATE
 from transformers import AutoConfig
 

@@ -32,7 +32,8 @@ def write_gemma4_gguf(path: Path, src: Path, kind: T) -> None:
     writer.add_tensor("rope_freqs.weight", _rope_freqs(config))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, config["num_hidden_layers"])
     for name, tensor in sorted(load_file(str(src / "model.safetensors")).items()):
-        writer.add_tensor(_gguf_name(names, name), *_stored(tensor.float().numpy(), kind))
+        data, raw_dtype = _stored(tensor.float().numpy(), kind)
+        writer.add_tensor(_gguf_name(names, name), data, raw_dtype=raw_dtype)
     finish(writer)
 
 
@@ -84,12 +85,12 @@ def _gguf_name(names: gguf.TensorNameMap, name: str) -> str:
     return f"{names.get_name(base)}.{suffix}"
 
 
-def _stored(array: np.ndarray, kind: T) -> tuple[np.ndarray, ...]:
-    """(data,) or (blocks, raw_dtype): a matrix in `kind`, F16 where it cannot be, else F32."""
+def _stored(array: np.ndarray, kind: T) -> tuple[np.ndarray, T | None]:
+    """(values, None) or (blocks, kind): a matrix in `kind`, F16 where it cannot be, else F32."""
     if array.ndim != 2 or kind == T.F32:
-        return (array,)
+        return array, None
     if array.shape[1] % _BLOCK:
-        return (array.astype(np.float16),)
+        return array.astype(np.float16), None
     return gguf.quants.quantize(array, kind), kind
 
 
@@ -101,9 +102,10 @@ def gemma4_reference(path: Path, src: Path, out: Path, bf16: bool = False) -> Pa
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, model.config.num_hidden_layers)
+    state = model.state_dict(keep_vars=True)  # the layer scalars are buffers, not parameters
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            t = tensors[_gguf_name(names, name)]
+        for name in load_file(str(src / "model.safetensors")):
+            param, t = state[name], tensors[_gguf_name(names, name)]
             w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
             w = w.float().reshape(param.shape)
             param.copy_(w.to(torch.bfloat16).float() if bf16 else w)

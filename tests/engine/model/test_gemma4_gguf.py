@@ -27,7 +27,7 @@ from engine.model.loader import load_model
 from engine.model.quant import native
 from engine.model.quant.gguf_file import GgufTensorInfo
 
-ATOL = 1e-4
+ATOL = 2e-4  # float32, logits up to the soft cap of 30: the small variant comes to 1.3e-4
 needs_kernels = pytest.mark.skipif(not gguf_ops.available(), reason="native kernels not built")
 VARIANTS = {
     "dense": {},
@@ -67,6 +67,9 @@ def _dense(quantization: str, monkeypatch: pytest.MonkeyPatch) -> None:
     than by the native kernel, which rounds activations to int8 (that path: its own test)."""
     if quantization == "gguf":
         monkeypatch.setitem(native._dense_from, torch.float32, 0)
+        # the head's rows of a step that mixes prompt chunks and decodes (not the step's tokens)
+        # run native otherwise: int8 activations flip a near-tie (0.013 apart, small Q8_0)
+        monkeypatch.setattr(native, "_native_rows", lambda rows, dense_from: None)
 
 
 def test_config_is_read_as_llama_cpp_reads_it(gguf_file: Path, src: Path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.model.gguf_dense import OWN_CONFIG_ARCHS, complete_phi3, own_config
+from engine.model.gguf_gemma4 import gemma4_config
 from engine.model.quant.gguf_file import read_gguf_metadata
 
 _GEMMA3_PATTERN = 6  # llama.cpp's set_swa_pattern(6): layers 5, 11, 17, ... are global
@@ -29,6 +30,8 @@ def gguf_config(path: Path) -> PretrainedConfig:
     meta = read_gguf_metadata(path)
     if meta.get("general.architecture") == "gpt-oss":
         return gpt_oss_config(meta)
+    if meta.get("general.architecture") == "gemma4":
+        return gemma4_config(path, meta)
     if meta.get("general.architecture") in OWN_CONFIG_ARCHS:
         return own_config(path, meta)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)

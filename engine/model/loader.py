@@ -145,6 +145,9 @@ def _load_folder(spec: str, folder: Path) -> LoadedModel:
 
 # --- GGUF ---------------------------------------------------------------------------------
 
+# model types whose GGUF files transformers cannot read (weights or tokenizer): read here
+_OWN_READ = (*OWN_CONFIG_ARCHS.values(), "gpt_oss", "gemma4_text")
+
 
 def cache_root() -> Path:
     env = os.environ.get("SPECSERVE_CACHE")
@@ -248,7 +251,7 @@ def _convert_gguf(path: Path, out: Path) -> None:
     config = _checked_gguf_config(path)
     # transformers cannot read these files (gpt-oss: its reader expects other expert names than
     # llama.cpp's converter writes)
-    if config.model_type in (*OWN_CONFIG_ARCHS.values(), "gpt_oss"):
+    if config.model_type in _OWN_READ:
         tensors = _own_dequantized(path, config)
     else:
         with torch.device("meta"):
@@ -277,7 +280,7 @@ def _own_dequantized(path: Path, config: PretrainedConfig) -> dict[str, torch.Te
 def _gguf_tokenizer(path: Path, config: PretrainedConfig) -> PreTrainedTokenizerBase:
     """transformers' tokenizer of the file; for an architecture its GGUF reader refuses, the
     one built from the file's vocabulary alone (engine.model.gguf_dense)."""
-    if config.model_type in (*OWN_CONFIG_ARCHS.values(), "gpt_oss"):
+    if config.model_type in _OWN_READ:
         return gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 

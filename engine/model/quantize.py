@@ -37,7 +37,8 @@ def swap_in_quantized(
             new = QuantLinear(sizes, module.in_features, bias, mode, dtype, device)
         elif isinstance(module, nn.Embedding):
             v, d = module.num_embeddings, module.embedding_dim
-            new = QuantEmbedding(v, d, tied, mode, dtype, device)
+            # only the token table is ever the head (not Gemma 4's per-layer table)
+            new = QuantEmbedding(v, d, tied and name == "embed_tokens", mode, dtype, device)
         else:
             continue
         parent, _, attr = name.rpartition(".")

@@ -31,7 +31,7 @@ log = logging.getLogger("specserve.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Chat-turn terminators that end generation when the chat template uses them.
-_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<turn|>")
 # End-of-document tokens that end generation whenever the tokenizer has them as special tokens
 # (Qwen's own generation config lists <|endoftext|> next to <|im_end|>).
 _DOCUMENT_END_TOKENS = ("<|endoftext|>", "<|end_of_text|>")

@@ -55,13 +55,34 @@ _ARCH_SUFFIXES = {
     "olmo2": ("post_feedforward_layernorm",),
     "phi3": _FUSED_SUFFIXES,
     "glm4": ("mlp.gate_up_proj", "post_self_attn_layernorm", "post_mlp_layernorm"),
+    "gemma4": (
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+        "layer_scalar",
+        "per_layer_input_gate",
+        "per_layer_projection",
+        "post_per_layer_input_norm",
+    ),
 }
+# Gemma 4's per-layer embedding table, its projection and norm, beside the usual three
+_ARCH_TOP = {
+    "gemma4": (
+        "model.embed_tokens_per_layer",
+        "model.per_layer_model_projection",
+        "model.per_layer_projection_norm",
+    )
+}
+# transformers parameters without a `.weight` (the converter added one: Gemma 4's layer scalar)
+_BARE_PARAMS = ("layer_scalar",)
+# tables only ever read a few rows at a time, never a head: left in the file where quantized
+_ROW_TABLES = ("model.embed_tokens_per_layer.weight",)
 _GATE_UP_FUSED_ARCHS = ("phi3", "glm4")
 # GGUF architectures whose q/k rows llama.cpp's converter permuted (LlamaModel.permute, which
 # Granite's and SmolLM3's converters inherit; transformers undoes it for llama).
 _PERMUTED_ARCHS = ("llama", "granite", "smollm3")
 # tensors that are config, not weights (engine.model.gguf_dense reads them)
-_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# (and engine.model.gguf_gemma4: Gemma 4's proportional rope, as rope_freqs)
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
 # GGUF architectures whose norm weights llama.cpp's converter stored as 1 + w (Gemma's norms
 # scale by 1 + w): w is that minus 1 in float32, and 1 + w gives the file's value back exactly
 # wherever it is at least 1/2 (Sterbenz), within half an ulp of it below that.
@@ -111,10 +132,10 @@ def read_gguf_weights(
         base, _, suffix = tensor.name.rpartition(".")
         if base not in names:
             raise ValueError(f"{path.name}: tensor {tensor.name!r} has no transformers name")
-        hf_name = f"{names[base]}.{suffix}"
+        hf_name = names[base] if names[base].endswith(_BARE_PARAMS) else f"{names[base]}.{suffix}"
         if exact:
             value: GgufTensor = _dequantized(tensor)
-        elif hf_name == "model.embed_tokens.weight" and _rows_suffice(tensor, config):
+        elif _rows_suffice(hf_name, tensor, config):
             value = GgufRows(path, tensor)
         elif blocks and _native_format(tensor):
             value = _blocks(tensor)
@@ -129,10 +150,12 @@ def read_gguf_weights(
         yield hf_name, value
 
 
-def _rows_suffice(tensor: GgufTensorInfo, config: PretrainedConfig) -> bool:
+def _rows_suffice(hf_name: str, tensor: GgufTensorInfo, config: PretrainedConfig) -> bool:
     """An embedding that is not also the head is only ever read a few rows at a time."""
+    if tensor.tensor_type.name in _FLOAT_TYPES:
+        return False
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    return not tied and tensor.tensor_type.name not in _FLOAT_TYPES
+    return hf_name in _ROW_TABLES or (hf_name == "model.embed_tokens.weight" and not tied)
 
 
 def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
@@ -142,7 +165,7 @@ def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
     suffixes = _HF_SUFFIXES + _ARCH_SUFFIXES.get(arch, ())
     if arch in _GATE_UP_FUSED_ARCHS:
         suffixes = tuple(s for s in suffixes if s != "mlp.up_proj")
-    hf = ["model.embed_tokens", "model.norm", "lm_head"]
+    hf = ["model.embed_tokens", "model.norm", "lm_head", *_ARCH_TOP.get(arch, ())]
     hf += [f"model.layers.{i}.{s}" for i in range(num_layers) for s in suffixes]
     out = {}
     for name in hf:

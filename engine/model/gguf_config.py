@@ -17,6 +17,7 @@ from pathlib import Path
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.model.gguf_dense import OWN_CONFIG_ARCHS, complete_phi3, own_config
+from engine.model.gguf_hybrid import qwen35_config
 from engine.model.quant.gguf_file import read_gguf_metadata
 
 _GEMMA3_PATTERN = 6  # llama.cpp's set_swa_pattern(6): layers 5, 11, 17, ... are global
@@ -31,6 +32,8 @@ def gguf_config(path: Path) -> PretrainedConfig:
         return gpt_oss_config(meta)
     if meta.get("general.architecture") in OWN_CONFIG_ARCHS:
         return own_config(path, meta)
+    if meta.get("general.architecture") in ("qwen35", "qwen35moe"):  # the hybrid: gguf_hybrid
+        return qwen35_config(path, meta)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     if meta.get("general.architecture") == "gemma3":
         _complete_gemma3(config, meta)

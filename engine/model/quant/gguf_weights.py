@@ -19,6 +19,7 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.kernels import gguf_ops
+from engine.model.gguf_hybrid import HYBRID_ARCHS, from_file, is_mtp_tensor, linear_names
 from engine.model.quant.formats import (
     GgufBlocks,
     Int4Weight,
@@ -99,17 +100,23 @@ def read_gguf_weights(
     `exact`, every tensor dequantized to float32 by gguf's own reference (quality baselines);
     with `blocks`, the native kernels' formats kept as the file's blocks."""
     arch, tensors = read_gguf(path)
-    names = _hf_names(arch, int(config.num_hidden_layers))
+    layers = int(config.num_hidden_layers)
+    names = _hf_names(arch, layers)
     if arch in MOE_ARCHS:  # stacked experts: one matrix each, named as transformers names them
         tensors = split_experts(tensors, num_experts(config))
-        names |= expert_names(arch, int(config.num_hidden_layers), num_experts(config))
+        names |= expert_names(arch, layers, num_experts(config))
+    hybrid = arch in HYBRID_ARCHS
+    full_names = linear_names(layers) if hybrid else {}
     for tensor in tensors:
-        if tensor.name in _CONFIG_TENSORS:
+        if tensor.name in _CONFIG_TENSORS or (hybrid and is_mtp_tensor(tensor.name, layers)):
             continue
         base, _, suffix = tensor.name.rpartition(".")
-        if base not in names:
+        if tensor.name in full_names:
+            hf_name = full_names[tensor.name]
+        elif base in names:
+            hf_name = f"{names[base]}.{suffix}"
+        else:
             raise ValueError(f"{path.name}: tensor {tensor.name!r} has no transformers name")
-        hf_name = f"{names[base]}.{suffix}"
         if exact:
             value: GgufTensor = _dequantized(tensor)
         elif hf_name == "model.embed_tokens.weight" and _rows_suffice(tensor, config):
@@ -124,6 +131,8 @@ def read_gguf_weights(
             value = _value_rows(value, _glm4_interleaved(value.shape[0], config))
         if arch in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
             value = _unshifted(value, tensor.name)
+        if hybrid:  # A_log, conv1d's shape, norms less 1 (engine.model.gguf_hybrid)
+            value = from_file(hf_name, value)
         yield hf_name, value
 
 

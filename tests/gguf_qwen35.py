@@ -59,7 +59,9 @@ def write_qwen35_gguf(path: Path, src: Path, kind: T) -> Path:
     for name, tensor in load_file(str(src / "model.safetensors")).items():
         array = to_file(name, tensor.float(), config).numpy()
         if array.ndim == 2 and "conv1d" not in name and kind != T.F32:
-            writer.add_tensor(gguf_name(name, config), gguf.quants.quantize(array, kind), raw_dtype=kind)
+            writer.add_tensor(
+                gguf_name(name, config), gguf.quants.quantize(array, kind), raw_dtype=kind
+            )
         else:
             writer.add_tensor(gguf_name(name, config), array)
     finish(writer)
@@ -94,7 +96,12 @@ def gguf_name(hf_name: str, config: dict[str, Any]) -> str:
 
 def _heads(config: dict[str, Any]) -> tuple[int, int, int, int]:
     k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    return k_heads, v_heads // k_heads, config["linear_key_head_dim"], config["linear_value_head_dim"]
+    return (
+        k_heads,
+        v_heads // k_heads,
+        config["linear_key_head_dim"],
+        config["linear_value_head_dim"],
+    )
 
 
 def _regroup(x: torch.Tensor, dim: int, outer: int, inner: int, size: int) -> torch.Tensor:

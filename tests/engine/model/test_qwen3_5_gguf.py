@@ -15,6 +15,7 @@ import torch
 from engine_utils import hf_model
 from family_utils import assert_greedy_equals_transformers, max_diff, prompt_ids
 from gguf import GGMLQuantizationType as T
+from gguf_blocks import rounded_reference
 from gguf_qwen35 import CONVERTERS, qwen35_reference, run_converter, write_qwen35_gguf
 from safetensors.torch import load_file
 from tiny import CHAT_TEMPLATE, make_tiny_qwen3_5
@@ -31,7 +32,9 @@ from engine.model.runner import ForwardInput, ModelRunner
 BLOCKS = 64
 TABLE = list(range(BLOCKS - 1, -1, -1))  # shuffled: positions never in consecutive blocks
 SIZES = (7, 1, 4, 70, 1, 3)  # prompt chunks: the chunked rule, single tokens, a partial chunk
-ATOL = 1e-3  # the chunked rule's float32 spread (test_qwen3_5.test_prompt_chunks_...)
+# transformers' chunked rule differences large cumulative decays: float32 rounding elsewhere shows
+# up ~10x (its two forms differ by 1.6e-3; the reference's own safetensors here reach 1.1e-3)
+ATOL = 2e-3
 needs_kernels = pytest.mark.skipif(not gguf_ops.available(), reason="native kernels not built")
 
 
@@ -139,7 +142,18 @@ def _hf_chunked_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
     model = hf_model(model_dir)
     cache, outs, pos = DynamicCache(config=model.config), [], 0
     for size in SIZES:
-        outs.append(model(torch.tensor([ids[pos : pos + size]]), cache=cache, use_cache=True).logits[0])
+        outs.append(
+            model(torch.tensor([ids[pos : pos + size]]), cache=cache, use_cache=True).logits[0]
+        )
+        pos += size
+    return torch.cat(outs)
+
+
+def _chunked_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    outs, pos = [], 0
+    for size in SIZES:
+        chunk = ids[pos : pos + size]
+        outs.append(runner.forward([ForwardInput(chunk, pos, TABLE, size, state_slot=1)]))
         pos += size
     return torch.cat(outs)
 
@@ -148,7 +162,9 @@ def _hf_chunked_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
 def test_logits_match_transformers_on_the_dequantized_weights(
     quantization: str, gguf_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Three prompts in chunks of SIZES, each from position 0 in a reused slot."""
+    """Three prompts in chunks of SIZES, each from position 0 in a reused slot: within 1e-4 of
+    the same chunks on the reference's safetensors (the file read right, tiled v heads and all),
+    and within the chunked rule's float32 spread of transformers."""
     _dense(quantization, monkeypatch)
     runner = _runner(gguf_file, quantization)
     model = runner.model
@@ -160,17 +176,13 @@ def test_logits_match_transformers_on_the_dequantized_weights(
             assert isinstance(proj, QuantLinear) and proj.formats == ["Q8_0"]
     ref = _ref(gguf_file)
     if quantization == "none":  # converted to bfloat16 safetensors: the reference rounded so
-        from gguf_blocks import rounded_reference
-
         ref = rounded_reference(ref)
+    from_ref = _runner(ref, "none")
     for seed in (1, 2, 3):
         ids = prompt_ids(sum(SIZES), seed)
-        outs, pos = [], 0
-        for size in SIZES:
-            chunk = ids[pos : pos + size]
-            outs.append(runner.forward([ForwardInput(chunk, pos, TABLE, size, state_slot=1)]))
-            pos += size
-        assert max_diff(torch.cat(outs), _hf_chunked_logits(ref, ids)) < ATOL
+        ours = _chunked_logits(runner, ids)
+        assert max_diff(ours, _chunked_logits(from_ref, ids)) < 1e-4
+        assert max_diff(ours, _hf_chunked_logits(ref, ids)) < ATOL
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram"])
@@ -199,5 +211,7 @@ def test_native_speculative_greedy_equals_plain_greedy(gguf_file: Path) -> None:
         batched_prompts(),
         greedy(12),
     )
-    engine = make_engine(gguf_file, quantization="gguf", max_num_batched_tokens=9, speculative=ngram)
+    engine = make_engine(
+        gguf_file, quantization="gguf", max_num_batched_tokens=9, speculative=ngram
+    )
     assert outputs(engine, batched_prompts(), greedy(12)) == want

@@ -18,38 +18,21 @@ blocks, and the layer computes the same in either order once each v head reads i
 (p % k_heads when tiled, p // (v_heads / k_heads) when grouped): the config says which
 (`linear_value_heads_tiled`, read by LinearAttentionShape). So every matrix is used as stored.
 The MTP layers a file may carry (`nextn_predict_layers`, blocks past the trunk) are skipped.
+The tensors' side is engine.model.quant.gguf_linear_attention; the config's is here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.model.quant.gguf_file import GgufTensorInfo, read_gguf
+from engine.model.quant.gguf_linear_attention import HYBRID_ARCHS
 
-if TYPE_CHECKING:
-    from engine.model.quant.gguf_weights import GgufTensor
-
-HYBRID_ARCHS = ("qwen35",)
 TILED_FLAG = "linear_value_heads_tiled"  # config attribute: v heads in llama.cpp's tiled order
 _LINEAR = "linear_attention"
-_TRANSFORMED = (".A_log", "conv1d.weight", "norm.weight")  # names from_file changes
-# per-layer GGUF tensor -> transformers' name under model.layers.N
-_LINEAR_TENSORS = {
-    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
-    "attn_gate.weight": "linear_attn.in_proj_z.weight",
-    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
-    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
-    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
-    "ssm_dt.bias": "linear_attn.dt_bias",
-    "ssm_a": "linear_attn.A_log",
-    "ssm_norm.weight": "linear_attn.norm.weight",
-    "ssm_out.weight": "linear_attn.out_proj.weight",
-}
 
 
 def qwen35_config(path: Path, meta: dict[str, object]) -> PretrainedConfig:
@@ -139,35 +122,3 @@ def _special_ids(meta: dict[str, object]) -> dict[str, int]:
 
 def _int(value: object) -> int:
     return int(value)  # type: ignore[call-overload]
-
-
-def linear_names(num_layers: int) -> dict[str, str]:
-    """Full GGUF tensor names of the linear-attention layers -> transformers' full names (ssm_a
-    has no `.weight`: the base/suffix split the other tensors take does not fit it)."""
-    return {
-        f"blk.{i}.{gguf_name}": f"model.layers.{i}.{hf_name}"
-        for i in range(num_layers)
-        for gguf_name, hf_name in _LINEAR_TENSORS.items()
-    }
-
-
-def is_mtp_tensor(name: str, num_layers: int) -> bool:
-    """A tensor of the MTP blocks the converter appends after the trunk (skipped)."""
-    parts = name.split(".")
-    return parts[0] == "blk" and int(parts[1]) >= num_layers
-
-
-def from_file(hf_name: str, value: GgufTensor) -> GgufTensor:
-    """A tensor as transformers holds it, undoing the converter's value transforms (the v-head
-    order stays tiled: see the module's docstring); the matrices pass as read."""
-    if not hf_name.endswith(_TRANSFORMED):
-        return value
-    if not isinstance(value, torch.Tensor):  # llama.cpp keeps these in F32; dequantized if not
-        value = value.dequantize()
-    if hf_name.endswith(".A_log"):  # the file holds A = -exp(A_log)
-        return torch.log(-value.double()).float()
-    if hf_name.endswith("conv1d.weight"):  # [C, K] -> [C, 1, K]
-        return value.reshape(value.shape[0], 1, -1)
-    if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
-        return value.float() - 1.0  # as Gemma 3's (gguf_weights._unshifted)
-    return value

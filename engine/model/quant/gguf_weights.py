@@ -19,7 +19,6 @@ import torch
 from transformers import PretrainedConfig
 
 from engine.kernels import gguf_ops
-from engine.model.gguf_hybrid import HYBRID_ARCHS, from_file, is_mtp_tensor, linear_names
 from engine.model.quant.formats import (
     GgufBlocks,
     Int4Weight,
@@ -29,6 +28,12 @@ from engine.model.quant.formats import (
 )
 from engine.model.quant.gguf_experts import MOE_ARCHS, expert_names, num_experts, split_experts
 from engine.model.quant.gguf_file import GgufTensorInfo, read_gguf
+from engine.model.quant.gguf_linear_attention import (
+    HYBRID_ARCHS,
+    from_file,
+    is_mtp_tensor,
+    linear_names,
+)
 
 _Q4_K_BLOCK = 144  # bytes per 256 values: d (f16), dmin (f16), 12 bytes of scales, 128 of q
 _HF_SUFFIXES = (
@@ -131,7 +136,7 @@ def read_gguf_weights(
             value = _value_rows(value, _glm4_interleaved(value.shape[0], config))
         if arch in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
             value = _unshifted(value, tensor.name)
-        if hybrid:  # A_log, conv1d's shape, norms less 1 (engine.model.gguf_hybrid)
+        if hybrid:  # A_log, conv1d's shape, norms less 1 (gguf_linear_attention)
             value = from_file(hf_name, value)
         yield hf_name, value
 

@@ -18,6 +18,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from engine.model.gguf_dense import OWN_CONFIG_ARCHS, complete_phi3, own_config
 from engine.model.gguf_gemma4 import gemma4_config
+from engine.model.gguf_hybrid import qwen35_config
 from engine.model.quant.gguf_file import read_gguf_metadata
 
 _GEMMA3_PATTERN = 6  # llama.cpp's set_swa_pattern(6): layers 5, 11, 17, ... are global
@@ -34,6 +35,8 @@ def gguf_config(path: Path) -> PretrainedConfig:
         return gemma4_config(path, meta)
     if meta.get("general.architecture") in OWN_CONFIG_ARCHS:
         return own_config(path, meta)
+    if meta.get("general.architecture") in ("qwen35", "qwen35moe"):  # the hybrid: gguf_hybrid
+        return qwen35_config(path, meta)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     _complete_head_dim(config, meta)
     if meta.get("general.architecture") == "gemma3":

@@ -40,6 +40,9 @@ class LinearAttentionShape:
     v_head_dim: int
     conv_kernel: int
     rms_norm_eps: float
+    # v heads in llama.cpp's tiled order (a GGUF's: engine.model.gguf_hybrid): v head p reads
+    # k head p % k_heads; else grouped by k head, as transformers has them: p // (v / k)
+    tiled_v_heads: bool = False
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> LinearAttentionShape:
@@ -51,6 +54,7 @@ class LinearAttentionShape:
             v_head_dim=config.linear_value_head_dim,
             conv_kernel=config.linear_conv_kernel_dim,
             rms_norm_eps=config.rms_norm_eps,
+            tiled_v_heads=bool(getattr(config, "linear_value_heads_tiled", False)),
         )
         if shape.num_v_heads % shape.num_k_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
@@ -199,7 +203,8 @@ def _expand_heads(
     s: LinearAttentionShape,
 ) -> torch.Tensor:  # [v_heads, n, k_dim] float32: each k head serves v_heads / k_heads v heads
     heads = x.reshape(-1, s.num_k_heads, s.k_head_dim).float()
-    heads = heads.repeat_interleave(s.num_v_heads // s.num_k_heads, dim=1)
+    ratio = s.num_v_heads // s.num_k_heads
+    heads = heads.repeat(1, ratio, 1) if s.tiled_v_heads else heads.repeat_interleave(ratio, dim=1)
     return heads.transpose(0, 1).contiguous()
 
 

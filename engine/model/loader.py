@@ -39,6 +39,9 @@ from engine.model.gguf_dense import OWN_CONFIG_ARCHS, gguf_tokenizer
 from engine.model.quantization import quantization_for_weights
 
 _CONVERTED_DONE = "specserve-converted.json"
+# model types of GGUF files whose weights and tokenizer transformers' GGUF reader cannot read:
+# read here (engine.model.quant.gguf_weights, engine.model.gguf_dense.gguf_tokenizer)
+_OWN_READER_TYPES = (*OWN_CONFIG_ARCHS.values(), "gpt_oss", "qwen3_5_text", "gemma4_text")
 
 
 @dataclass(frozen=True)
@@ -145,9 +148,6 @@ def _load_folder(spec: str, folder: Path) -> LoadedModel:
 
 # --- GGUF ---------------------------------------------------------------------------------
 
-# model types whose GGUF files transformers cannot read (weights or tokenizer): read here
-_OWN_READ = (*OWN_CONFIG_ARCHS.values(), "gpt_oss", "gemma4_text")
-
 
 def cache_root() -> Path:
     env = os.environ.get("SPECSERVE_CACHE")
@@ -250,8 +250,8 @@ def _convert_gguf(path: Path, out: Path) -> None:
 
     config = _checked_gguf_config(path)
     # transformers cannot read these files (gpt-oss: its reader expects other expert names than
-    # llama.cpp's converter writes)
-    if config.model_type in _OWN_READ:
+    # llama.cpp's converter writes; qwen35 and gemma4: it knows no such architecture)
+    if config.model_type in _OWN_READER_TYPES:
         tensors = _own_dequantized(path, config)
     else:
         with torch.device("meta"):
@@ -280,7 +280,7 @@ def _own_dequantized(path: Path, config: PretrainedConfig) -> dict[str, torch.Te
 def _gguf_tokenizer(path: Path, config: PretrainedConfig) -> PreTrainedTokenizerBase:
     """transformers' tokenizer of the file; for an architecture its GGUF reader refuses, the
     one built from the file's vocabulary alone (engine.model.gguf_dense)."""
-    if config.model_type in _OWN_READ:
+    if config.model_type in _OWN_READER_TYPES:
         return gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 

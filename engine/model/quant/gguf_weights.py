@@ -30,6 +30,12 @@ from engine.model.quant.formats import (
 )
 from engine.model.quant.gguf_experts import MOE_ARCHS, expert_names, num_experts, split_experts
 from engine.model.quant.gguf_file import GgufTensorInfo, read_gguf
+from engine.model.quant.gguf_linear_attention import (
+    HYBRID_ARCHS,
+    from_file,
+    is_mtp_tensor,
+    linear_names,
+)
 
 _Q4_K_BLOCK = 144  # bytes per 256 values: d (f16), dmin (f16), 12 bytes of scales, 128 of q
 _HF_SUFFIXES = (
@@ -122,17 +128,24 @@ def read_gguf_weights(
     `exact`, every tensor dequantized to float32 by gguf's own reference (quality baselines);
     with `blocks`, the native kernels' formats kept as the file's blocks."""
     arch, tensors = read_gguf(path)
-    names = _hf_names(arch, int(config.num_hidden_layers))
+    layers = int(config.num_hidden_layers)
+    names = _hf_names(arch, layers)
     if arch in MOE_ARCHS:  # stacked experts: one matrix each, named as transformers names them
         tensors = split_experts(tensors, num_experts(config))
-        names |= expert_names(arch, int(config.num_hidden_layers), num_experts(config))
+        names |= expert_names(arch, layers, num_experts(config))
+    hybrid = arch in HYBRID_ARCHS
+    full_names = linear_names(layers) if hybrid else {}
     for tensor in tensors:
-        if tensor.name in _CONFIG_TENSORS:
+        if tensor.name in _CONFIG_TENSORS or (hybrid and is_mtp_tensor(tensor.name, layers)):
             continue
         base, _, suffix = tensor.name.rpartition(".")
-        if base not in names:
+        if tensor.name in full_names:
+            hf_name = full_names[tensor.name]
+        elif base in names:
+            bare = names[base].endswith(_BARE_PARAMS)
+            hf_name = names[base] if bare else f"{names[base]}.{suffix}"
+        else:
             raise ValueError(f"{path.name}: tensor {tensor.name!r} has no transformers name")
-        hf_name = names[base] if names[base].endswith(_BARE_PARAMS) else f"{names[base]}.{suffix}"
         if exact:
             value: GgufTensor = _dequantized(tensor)
         elif _rows_suffice(hf_name, tensor, config):
@@ -147,6 +160,8 @@ def read_gguf_weights(
             value = _value_rows(value, _glm4_interleaved(value.shape[0], config))
         if arch in _NORM_SHIFTED_ARCHS and hf_name.endswith("norm.weight"):
             value = _unshifted(value, tensor.name)
+        if hybrid:  # A_log, conv1d's shape, norms less 1 (gguf_linear_attention)
+            value = from_file(hf_name, value)
         yield hf_name, value
 
 

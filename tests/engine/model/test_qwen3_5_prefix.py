@@ -10,8 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from engine_utils import greedy, hf_greedy, make_engine, random_prompts
 from family_utils import MAX_TOKENS
+from safetensors.torch import load_file, save_file
 from test_qwen3_5_mtp import _add_mtp_weights
 from tiny import make_tiny_qwen3_5
 
@@ -24,10 +26,23 @@ NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=Fal
 MTP = SpeculativeConfig(method="mtp", num_speculative_tokens=3, adaptive=False)
 
 
+def _slow_decay(model_dir: Path, seed: int) -> None:
+    """Decays of 0.01..0.1 a token (A = exp(A_log) in [0.01, 0.1]): the tiny model's own (A up
+    to 16) forget a token's state by the next, so a wrong resumed state would go unseen."""
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in tensors.items():
+        if name.endswith("linear_attn.A_log"):
+            tensors[name] = torch.empty_like(tensor).uniform_(0.01, 0.1, generator=gen).log()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3.5 with MTP weights (so the same model serves the MTP case)."""
+    """A tiny Qwen3.5 with a long memory and MTP weights (so it serves the MTP case too)."""
     path = make_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5_prefix"), seed=0)
+    _slow_decay(path, seed=2)
     _add_mtp_weights(path, seed=5)
     return path
 
@@ -37,13 +52,13 @@ def _system(n: int = 23, seed: int = 3) -> list[int]:
 
 
 def _turns() -> list[list[int]]:
-    """Three requests with a common 23-token system prompt, the last repeating its user turn
-    (n-gram matches). The first snapshots only its own last full block; the second finds the
+    """Three requests with a common 23-token system prompt, the last with a 2-token turn. The
+    first snapshots only its own last full block; the second finds the
     system prompt's 5 full blocks' K/V cached but no state, recomputes them and snapshots their
     end; the third resumes there."""
     system = _system()
-    users = random_prompts(3, (3, 9), 300, seed=11)
-    return [system + users[0], system + users[1], system + users[2] * 3]
+    users = random_prompts(2, (3, 9), 300, seed=11)
+    return [system + users[0], system + users[1] * 2, system + [17, 18]]
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[Sequence], int]:

@@ -268,9 +268,7 @@ class ModelRunner:
                 raise ValueError("tensor parallelism does not shard linear-attention layers")
             linear, n = model.linear_shape, len(model.linear_layers)
             shapes = (linear.conv_state_shape, linear.recurrent_state_shape)
-            self.states = StatePool(
-                *shapes, n, num_slots, self.device, self.dtype, num_snapshots
-            )
+            self.states = StatePool(*shapes, n, num_slots, self.device, self.dtype, num_snapshots)
             log.info(
                 "%d state slots and %d prefix-cache snapshots: %.1f MiB",
                 num_slots,

@@ -8,8 +8,9 @@ scheduler as the block manager owns block ids, maps the chain hash of the block 
 at (`BlockManager.chain_hashes`) to its row, least recently used evicted first.
 
 The scheduler snapshots each prompt at its last full block before its last token (the deepest
-boundary a later request with that prompt as its prefix can match): it ends a prompt chunk there
-and the state after that chunk is copied out (`StateCommit.snapshot`). On admission a hybrid
+boundary a later request with that prompt as its prefix can match) and at the end of its K/V
+prefix match where that ran deeper than any snapshot (a prefix shared with earlier requests): it
+ends a prompt chunk at each and the state after that chunk is copied out (`StateCommit.snapshot`). On admission a hybrid
 request's prefix-cache hit is cut to the deepest matched block that has a snapshot, which is
 copied into its slot (`StateRestore`) before the forward that continues its prefill.
 """

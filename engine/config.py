@@ -111,6 +111,10 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill above it)
     enable_prefix_caching: bool = True
+    # A hybrid target's (Qwen3.5) prefix cache: how many linear-layer state snapshots it keeps,
+    # each one request's whole state (~49 MiB at Qwen3.5's default sizes), LRU; 0: no prefix
+    # caching for a hybrid target (docs/HYBRID.md)
+    num_state_snapshots: int = 8
     num_threads: int | None = None  # torch intra-op threads on CPU
     seed: int = 0
     # Ranks the target is sharded over (engine/parallel); the draft runs whole on rank 0.
@@ -120,6 +124,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
+        if self.num_state_snapshots < 0:
+            raise ValueError("num_state_snapshots must be >= 0")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:

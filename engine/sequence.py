@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.model.state_pool import StateRestore
 from engine.outputs import TARGET, RequestTimes, SpecStats, TokenLogprob, TokenSpan
 from engine.sample.detokenizer import IncrementalDetokenizer
 from engine.sample.sampling_params import SamplingParams
@@ -45,6 +46,9 @@ class Sequence:
     # A hybrid target's slot for its linear layers' recurrent state (engine/model/state_pool.py),
     # held while running; None: not running, or a model without such state
     state_slot: int | None = None
+    # and, with prefix caching, the positions where its prefill snapshots that state (set on
+    # admission, engine/core/state_cache.py)
+    state_snapshot_at: tuple[int, ...] = ()
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
@@ -163,3 +167,5 @@ class SeqResult:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     num_preempted: int
+    # a hybrid target's newly admitted requests resuming from a prefix's state snapshot
+    state_restores: list[StateRestore] = field(default_factory=list)

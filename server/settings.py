@@ -188,6 +188,11 @@ class Settings(BaseSettings):
         default=engine_default("enable_prefix_caching"),
         description="reuse KV blocks of shared prefixes",
     )
+    num_state_snapshots: int = Field(
+        default=engine_default("num_state_snapshots"),
+        ge=0,
+        description="a hybrid target's prefix cache: linear-layer state snapshots kept (0: off)",
+    )
     num_threads: int | None = Field(
         default=engine_default("num_threads"), ge=1, description="torch threads on CPU"
     )

@@ -81,14 +81,15 @@ class LLMEngine:
         )
         self.proposer: Proposer = ForcedDraftProposer(self._build_proposer())
         num_blocks = self._num_kv_blocks()
+        # a hybrid resumes a cached prefix only where its linear layers' state was snapshotted
+        snapshots = config.num_state_snapshots if config.enable_prefix_caching else 0
         for runner in self._runners():
             runner.allocate_kv_cache(num_blocks)
-            runner.allocate_states(config.max_num_seqs)
+            runner.allocate_states(config.max_num_seqs, snapshots)
             runner.warm_up()
         if self.planner is not None:
             self._calibrate(num_blocks)
-        # a hybrid's linear layers keep no state per block that a cached prefix could resume from
-        caching = config.enable_prefix_caching and not self.target.is_hybrid
+        caching = config.enable_prefix_caching and (not self.target.is_hybrid or snapshots > 0)
         self.block_manager = BlockManager(num_blocks, config.block_size, caching)
         self.scheduler = Scheduler(
             config,
@@ -97,6 +98,7 @@ class LLMEngine:
             self.planner,
             self.eos_token_ids,
             self.target.num_state_slots,
+            snapshots,
         )
         self.seqs: dict[str, Sequence] = {}
         self.last_stats: StepStats | None = None
@@ -164,6 +166,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         batch = self.scheduler.schedule()
+        self.target.restore_states(batch.state_restores)  # a hybrid's prefix-cache hits
         if self.planner is not None:
             self.planner.plan(batch.scheduled, self._ngram_drafts)
         planned = time.perf_counter()

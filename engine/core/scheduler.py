@@ -4,6 +4,10 @@ There are no prefill and decode phases: each running request schedules the token
 yet (a prompt chunk, or its last sampled token) plus room for up to k speculative tokens once its chunk
 reaches the end of the known tokens. When blocks run out the newest running request is preempted and
 later recomputed from scratch; nothing is dropped.
+
+A hybrid target (linear-attention layers) with prefix caching resumes only from a prefix whose
+state was snapshotted (engine/core/state_cache.py): its hits are cut to such a prefix, and its
+prompt chunks end at the boundary where its own snapshot is taken.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
-from engine.model.state_pool import StateCommit
+from engine.core.state_cache import StateSnapshots
+from engine.model.state_pool import StateCommit, StateRestore
 from engine.outputs import TokenLogprob
 from engine.sample import structured
 from engine.sample.sampling_params import SamplingParams
@@ -32,6 +37,7 @@ class Scheduler:
         planner: SpecPlanner | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
         num_state_slots: int = 0,  # a hybrid target's: one recurrent-state slot per running request
+        num_state_snapshots: int = 0,  # a hybrid target's prefix-cache state snapshots
     ) -> None:
         self.config = config
         self.planner = planner
@@ -42,6 +48,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))
         self.uses_state_slots = num_state_slots > 0
+        cached_states = num_state_slots > 0 and num_state_snapshots > 0
+        caching = cached_states and block_manager.enable_prefix_caching
+        self.snapshots = StateSnapshots(num_state_snapshots) if caching else None
+        self._restores: list[StateRestore] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,7 +95,8 @@ class Scheduler:
             self.waiting.popleft()
             scheduled.append(admitted)
             budget -= _cost(admitted)
-        return SchedulerOutput(scheduled, num_preempted)
+        restores, self._restores = self._restores, []
+        return SchedulerOutput(scheduled, num_preempted, restores)
 
     def update_from_output(self, item: ScheduledSeq, result: SeqResult) -> int:
         """The one place a step's outcome changes a request: its tokens appended and its stop
@@ -190,6 +201,9 @@ class Scheduler:
 
     def _plan(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq:
         n = min(seq.num_uncomputed_tokens, budget)
+        for boundary in seq.state_snapshot_at:  # the chunk ends where a snapshot is taken
+            if seq.num_computed_tokens < boundary < seq.num_computed_tokens + n:
+                n = boundary - seq.num_computed_tokens
         item = ScheduledSeq(seq, n, 0)
         if not item.reaches_end:
             return item
@@ -222,8 +236,24 @@ class Scheduler:
     def _positions(self, item: ScheduledSeq) -> int:
         return item.seq.num_computed_tokens + item.num_new_tokens + item.num_spec_tokens
 
+    def _resumable(self, seq: Sequence, cached: list[int]) -> tuple[list[int], int | None]:
+        """A hybrid's hit cut to its deepest block with a state snapshot, and that snapshot's
+        row (None: no snapshot). Sets where its prefill snapshots its own state: at the end of
+        the K/V prefix it shares with earlier requests where that is deeper than the hit (a
+        shared system prompt), and at its prompt's last full block before its last token (the
+        deepest a later request with this prompt as its prefix can match)."""
+        if self.snapshots is None:
+            return cached, None
+        depth, row = self.snapshots.deepest(self.blocks.chain_hashes(seq.token_ids, len(cached)))
+        size = self.blocks.block_size
+        last = (seq.num_prompt_tokens - 1) // size * size
+        shared = len(cached) * size if len(cached) > depth else 0
+        seq.state_snapshot_at = tuple(sorted({b for b in (shared, last) if b > depth * size}))
+        return cached[:depth], row
+
     def _admit(self, seq: Sequence, budget: int, step_k: int) -> ScheduledSeq | None:
         cached = [] if seq.wants_prompt_logprobs else self.blocks.match_prefix(seq.token_ids)
+        cached, snapshot = self._resumable(seq, cached)
         num_cached = len(cached) * self.blocks.block_size
         seq.num_computed_tokens = num_cached
         # The draft's K/V are valid only on the leading blocks some request's draft computed.
@@ -250,6 +280,9 @@ class Scheduler:
         self.running.append(seq)
         if self.uses_state_slots:
             seq.state_slot = self.free_state_slots.pop()  # as many as max_num_seqs: one is free
+            if snapshot is not None and self.snapshots is not None:  # a hybrid's prefix hit
+                self._restores.append(StateRestore(snapshot, seq.state_slot))
+                self.snapshots.num_hits += 1
         return item
 
     def _preempt(self, seq: Sequence) -> None:
@@ -270,10 +303,19 @@ class Scheduler:
         """After update_from_output: each running request's progress, for the runner to keep the
         recurrent state at its last accepted token (a hybrid target's rollback)."""
         return [
-            StateCommit(item.seq.state_slot, item.seq.num_computed_tokens)
+            StateCommit(item.seq.state_slot, item.seq.num_computed_tokens, self._snapshot(item))
             for item in batch
             if item.seq.state_slot is not None
         ]
+
+    def _snapshot(self, item: ScheduledSeq) -> int | None:
+        """The snapshot row to keep the request's state in, where this step's chunk ended at one
+        of its snapshot boundaries (`_plan` ends it there); else None."""
+        seq = item.seq
+        done = seq.num_computed_tokens
+        if self.snapshots is None or not item.num_new_tokens or done not in seq.state_snapshot_at:
+            return None
+        return self.snapshots.reserve(seq.block_hashes[done // self.blocks.block_size - 1])
 
 
 def _cost(item: ScheduledSeq) -> int:

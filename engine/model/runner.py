@@ -23,7 +23,7 @@ from engine.model.quant.native import forward_chunks
 from engine.model.quantize import WeightSummary, quantize_mode, summarize, swap_in_quantized
 from engine.model.rope import rope_positions_limit
 from engine.model.sharding import shard_decoder
-from engine.model.state_pool import StateBatch, StateCommit, StatePool
+from engine.model.state_pool import StateBatch, StateCommit, StatePool, StateRestore
 from engine.model.tensor_parallel import TensorParallel, tensor_parallel_for
 
 log = logging.getLogger("specserve.engine")
@@ -259,20 +259,31 @@ class ModelRunner:
         """Linear-attention layers with a recurrent state per request (Qwen3.5)."""
         return isinstance(self.model, HybridDecoderModel)
 
-    def allocate_states(self, num_slots: int) -> None:
-        """A hybrid model's state pool, a slot per running request (max_num_seqs); else nothing."""
+    def allocate_states(self, num_slots: int, num_snapshots: int = 0) -> None:
+        """A hybrid model's state pool, a slot per running request (max_num_seqs) and the prefix
+        cache's snapshots; else nothing."""
         model = self.model
         if isinstance(model, HybridDecoderModel):
             if self.tp is not None:
                 raise ValueError("tensor parallelism does not shard linear-attention layers")
             linear, n = model.linear_shape, len(model.linear_layers)
             shapes = (linear.conv_state_shape, linear.recurrent_state_shape)
-            self.states = StatePool(*shapes, n, num_slots, self.device, self.dtype)
-            log.info("%d state slots: %.1f MiB", num_slots, self.states.nbytes / (1 << 20))
+            self.states = StatePool(*shapes, n, num_slots, self.device, self.dtype, num_snapshots)
+            log.info(
+                "%d state slots and %d prefix-cache snapshots: %.1f MiB",
+                num_slots,
+                num_snapshots,
+                self.states.nbytes / (1 << 20),
+            )
 
     @property
     def num_state_slots(self) -> int:
         return 0 if self.states is None else self.states.num_slots
+
+    def restore_states(self, restores: list[StateRestore]) -> None:
+        """Before a forward: newly admitted requests' slots from their prefixes' snapshots."""
+        if self.states is not None:
+            self.states.restore(restores)
 
     def commit_states(self, commits: list[StateCommit]) -> None:
         """After accept: each verified request's state at its last accepted token (a hybrid's)."""

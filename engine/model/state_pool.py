@@ -11,6 +11,11 @@ the slot directly. A request starting at position 0 starts from zeros whatever i
 The scheduler hands out the slot ids (`Sequence.state_slot`), as the block manager hands out
 block ids; this pool owns the tensors. A forward input without a slot (the start-up timing
 forwards) uses a scratch slot of its own.
+
+With prefix caching, the pool also keeps a few snapshots: a slot's state copied out at a block
+boundary (`StateCommit.snapshot`), copied back into a newly admitted request's slot
+(`StateRestore`) so that its prefill resumes there. The scheduler's `StateSnapshots`
+(engine/core/state_cache.py) says which snapshot row holds which prefix; this pool only copies.
 """
 
 from __future__ import annotations
@@ -27,6 +32,15 @@ class StateCommit:
 
     slot: int
     num_computed: int
+    snapshot: int | None = None  # then copy that state into this snapshot row too
+
+
+@dataclass(frozen=True)
+class StateRestore:
+    """Before a forward: a newly admitted request resumes in `slot` from snapshot row `snapshot`."""
+
+    snapshot: int
+    slot: int
 
 
 @dataclass(frozen=True)
@@ -57,9 +71,13 @@ class StatePool:
         num_slots: int,
         device: torch.device,
         dtype: torch.dtype,  # the model's: the conv state holds projections in it
+        num_snapshots: int = 0,  # prefix-cache snapshots kept beside the slots
     ) -> None:
         self.num_slots = num_slots
-        rows = num_slots + 1  # the last: scratch, for forwards without a slot
+        self.num_snapshots = num_snapshots
+        # rows [0, num_slots): the slots; then a scratch slot, for forwards without a slot; then
+        # the snapshots
+        rows = num_slots + 1 + num_snapshots
         self.conv = [
             torch.zeros(rows, *conv_shape, dtype=dtype, device=device) for _ in range(num_layers)
         ]
@@ -73,6 +91,21 @@ class StatePool:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.conv + self.recurrent)
 
+    def restore(self, restores: list[StateRestore]) -> None:
+        """Fill each newly admitted request's slot from its prefix's snapshot."""
+        for r in restores:
+            self._copy(self._snapshot_row(r.snapshot), r.slot)
+
+    def _snapshot_row(self, snapshot: int) -> int:
+        if not 0 <= snapshot < self.num_snapshots:
+            raise ValueError(f"no snapshot row {snapshot} (the pool keeps {self.num_snapshots})")
+        return self.num_slots + 1 + snapshot
+
+    def _copy(self, src: int, dst: int) -> None:
+        for conv, recurrent in zip(self.conv, self.recurrent, strict=True):
+            conv[dst].copy_(conv[src])
+            recurrent[dst].copy_(recurrent[src])
+
     def batch(self, segments: list[StateSegment]) -> StateBatch:
         self.pending = {}  # a verify whose candidates were never committed is forgotten
         return StateBatch(self, segments)
@@ -80,9 +113,14 @@ class StatePool:
     def commit(self, commits: list[StateCommit]) -> None:
         """Put each verified request's state at its last accepted token into its slot."""
         for commit in commits:
-            found = self.pending.get(commit.slot)
-            if found is None:
-                continue  # no drafts this step: its slot already holds its state
+            self._commit_one(commit)
+            if commit.snapshot is not None:
+                self._copy(commit.slot, self._snapshot_row(commit.snapshot))
+        self.pending = {}
+
+    def _commit_one(self, commit: StateCommit) -> None:
+        found = self.pending.get(commit.slot)
+        if found is not None:  # else no drafts this step: its slot already holds its state
             j = commit.num_computed - found.first
             if not 0 <= j < len(found.states[0][0]):
                 raise ValueError(
@@ -91,7 +129,6 @@ class StatePool:
             for layer, (conv, recurrent) in enumerate(found.states):
                 self.conv[layer][commit.slot].copy_(conv[j])
                 self.recurrent[layer][commit.slot].copy_(recurrent[j])
-        self.pending = {}
 
 
 class StateBatch:

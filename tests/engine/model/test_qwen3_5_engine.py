@@ -115,13 +115,17 @@ def test_draft_trees_are_off_for_a_hybrid(model_dir: Path) -> None:
     ]
 
 
-def test_prefix_caching_is_off_for_a_hybrid(model_dir: Path) -> None:
-    """A cached prefix has K/V but no linear-layer state to resume from."""
-    engine = make_engine(model_dir, enable_prefix_caching=True)
-    prompt = batched_prompts()[0] * 4
-    first = outputs(engine, [prompt], greedy(MAX_TOKENS))
-    assert outputs(engine, [prompt], greedy(MAX_TOKENS)) == first
-    assert engine.block_manager.take_lookup_stats()[1] == 0  # no tokens served from the cache
+def test_prefix_caching_resumes_from_a_state_snapshot(model_dir: Path) -> None:
+    """A repeated prompt resumes from the state snapshotted at its last full block before its
+    last token (test_qwen3_5_prefix.py covers the rest); with no snapshots kept, nothing is
+    served from the cache."""
+    prompt = batched_prompts()[0] * 4  # 52 tokens: snapshot at 48
+    for snapshots, hit in ((8, 48), (0, 0)):
+        engine = make_engine(model_dir, num_state_snapshots=snapshots)
+        first = outputs(engine, [prompt], greedy(MAX_TOKENS))
+        (again,) = engine.generate([prompt], greedy(MAX_TOKENS))
+        assert again.output_token_ids == first[0]
+        assert again.num_cached_tokens == hit
 
 
 def test_a_hybrid_draft_model_is_refused(model_dir: Path, draft_dir: Path) -> None:

@@ -109,7 +109,7 @@ def _layout(search: TreeSearch, wanted: list[int], room: int) -> tuple[list[int]
     """The level's input for one request: the wanted nodes (best first) that fit in `room` with
     their ancestors, depth-first, children in scoring order; and the wanted nodes kept."""
     members: set[int] = set()
-    kept = []
+    kept: list[int] = []
     for node in wanted:
         grown = members | set(search.path(node))
         if len(grown) <= room:

@@ -5,15 +5,17 @@ draft's K/V below its frontier is always its own request's tokens'."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 from engine_utils import chi_square_pvalue, greedy, hf_model, make_engine, outputs, random_prompts
+from safetensors.torch import load_file, save_file
+from test_eagle3 import CYCLE, _cycle_basis, bigram_target
 from test_spec_decode import TEMPERATURE, _exact_pair_probs
 from test_trees import SCHEMA
-from tiny import make_tiny_model
 
 from engine.config import SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
@@ -25,6 +27,7 @@ from engine.spec_decode.proposers import Proposal
 from engine.spec_decode.proposers.tree import ROOT
 
 MAX_TOKENS = 12
+__all__ = ["bigram_target"]  # the fixture, shared with test_eagle3
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +38,6 @@ def vocab(tiny_model_dir: Path) -> int:
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir: Path) -> LLMEngine:
     return make_engine(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def deep_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer draft (seed 2): its second layer's K/V depends on the context it attended to."""
-    return make_tiny_model(tmp_path_factory.mktemp("deep_draft"), family="qwen2", seed=2)
 
 
 def _engine(
@@ -58,12 +55,14 @@ class _Spy:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.trees: list[Proposal] = []
+        self.proposals: list[Proposal] = []  # every non-empty one, trees and chains
         self.moved = 0
         propose, move = engine.proposer.propose, engine.target.move_kv
 
         def spy_propose(batch: list) -> list[Proposal]:  # type: ignore[type-arg]
             proposals = propose(batch)
             self.trees += [p for p in proposals if p.parents is not None]
+            self.proposals += [p for p in proposals if p.token_ids]
             return proposals
 
         def spy_move(table: list[int], moves: list[tuple[int, int]]) -> None:
@@ -90,6 +89,12 @@ def test_greedy_draft_trees_equal_plain(
     assert engine.block_manager.usage == 0.0
 
 
+def _first_path(proposal: Proposal) -> int:
+    """The length of a proposal's leading chain (all of a chain)."""
+    tree = proposal.tree
+    return len(proposal.token_ids) if tree is None else len(tree.path(tree.leaves[0]))
+
+
 def _draft_kv_is_own(engine: LLMEngine, seq: Sequence) -> bool:
     """The draft's K/V of positions [0, its frontier) equals a fresh prefill of the request's
     own tokens, every layer (on scratch blocks taken from the pool and given back)."""
@@ -113,21 +118,23 @@ def _draft_kv_is_own(engine: LLMEngine, seq: Sequence) -> bool:
 
 
 def test_staggered_arrivals_prefix_cache_and_the_drafts_own_kv(
-    tiny_model_dir: Path, deep_draft: Path, vocab: int
+    plain: LLMEngine, tiny_model_dir: Path, vocab: int
 ) -> None:
-    """Requests joining a running batch step by step, then the same prompts again from the
-    prefix cache; after every step the draft's K/V below each request's frontier is that
-    request's own, though accepted paths leave the tree's first path, and the frontier moves
-    past the catch-up along the first path."""
-    engine = _engine(tiny_model_dir, deep_draft, k=4, width=3, num_kv_blocks=128)
-    plain = make_engine(tiny_model_dir)
+    """The target drafting for itself (two layers: its K/V depends on the context it saw), its
+    requests joining a running batch step by step, then the same prompts again from the prefix
+    cache. Every tree's first path is the target's own greedy text, so each step accepts all of
+    it (the levels' forwards rotate and mask each node as its path would be); after every step
+    the draft's K/V below each request's frontier is that request's own, the frontier having
+    moved past the catch-up along the accepted first path."""
+    engine = _engine(tiny_model_dir, tiny_model_dir, k=4, width=3, num_kv_blocks=128)
     spy = _Spy(engine)
     prompts = random_prompts(6, (8, 40), vocab, seed=89)
+    seqs = []
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, greedy(MAX_TOKENS))
+        seqs.append(engine.seqs[f"r{i}"])
         engine.step()
         assert all(_draft_kv_is_own(engine, s) for s in engine.scheduler.running)
-    seqs = [engine.seqs[f"r{i}"] for i in range(len(prompts))]
     ahead = 0  # steps whose draft frontier was left past the catch-up
     while engine.has_unfinished():
         before = {s: s.num_tokens for s in engine.scheduler.running}
@@ -136,10 +143,49 @@ def test_staggered_arrivals_prefix_cache_and_the_drafts_own_kv(
         ahead += sum(s.num_draft_computed_tokens > n for s, n in before.items())
     reference = outputs(plain, prompts, greedy(MAX_TOKENS))
     assert [s.output_token_ids for s in seqs] == reference
+    assert sum(s.spec.num_accepted_tokens for s in seqs) == sum(map(_first_path, spy.proposals))
     again = engine.generate(prompts, greedy(MAX_TOKENS))
     assert [s.output_token_ids for s in again] == reference
     assert all(s.num_cached_tokens > 0 for s in again)
-    assert spy.trees and spy.moved > 0 and ahead > 0
+    assert spy.trees and ahead > 0
+
+
+@pytest.fixture(scope="module")
+def skipping_draft(bigram_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bigram target with a head that prefers the token after next: for CYCLE[i] its top
+    pick is CYCLE[i + 2] (q ~ 0.38), the target's CYCLE[i + 1] its second (q ~ 0.23)."""
+    path = tmp_path_factory.mktemp("skipping")
+    shutil.copytree(bigram_target, path, dirs_exist_ok=True)
+    file = path / "model.safetensors"
+    weights = load_file(str(file))
+    basis, n = _cycle_basis(), len(CYCLE)
+    head = weights["lm_head.weight"].zero_()
+    for i in range(n):  # logits 5.5 and 6: the final norm scales a unit vector of 64 by 8
+        head[CYCLE[(i + 1) % n]] += 5.5 / 8 * basis[i]
+        head[CYCLE[(i + 2) % n]] += 6.0 / 8 * basis[i]
+    save_file(weights, str(file))
+    return path
+
+
+def test_an_accepted_second_branch_cuts_the_drafts_frontier(
+    bigram_target: Path, skipping_draft: Path
+) -> None:
+    """Every tree's first path (the draft's top picks) is rejected and a later branch accepted:
+    the draft holds the first path's K/V in place, which must not count as the accepted
+    tokens'. After every step the draft's K/V below the frontier is the request's own."""
+    vocab = int(hf_model(bigram_target).config.vocab_size)
+    engine = _engine(bigram_target, skipping_draft, k=4, width=2)
+    spy = _Spy(engine)
+    prompts = random_prompts(4, (3, 20), vocab, seed=103)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy(MAX_TOKENS))
+    seqs = [engine.seqs[f"r{i}"] for i in range(len(prompts))]
+    while engine.has_unfinished():
+        engine.step()
+        assert all(_draft_kv_is_own(engine, s) for s in engine.scheduler.running)
+    reference = outputs(make_engine(bigram_target), prompts, greedy(MAX_TOKENS))
+    assert [s.output_token_ids for s in seqs] == reference
+    assert spy.moved >= len(prompts) and all(s.spec.num_accepted_tokens > 0 for s in seqs)
 
 
 def test_seeded_draft_trees_equal_plain_and_chains(

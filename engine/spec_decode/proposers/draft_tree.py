@@ -38,9 +38,8 @@ from engine.sequence import ScheduledSeq
 from engine.spec_decode.proposers.tree import ROOT, DraftTree, common_prefix
 from engine.spec_decode.proposers.tree_search import Row, TreeSearch, grow_trees
 
-MAX_TREE_ROWS = (
-    64  # rows of one request's tree in a pass (attention_ops: a row's bits are an int64)
-)
+# The most rows of one request's tree in a pass: the native kernel's tree bits are one int64 a row.
+MAX_TREE_ROWS = 64
 
 
 def draft_trees(

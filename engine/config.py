@@ -61,8 +61,8 @@ class SpeculativeConfig:
     # Draft model: run one request's decode through a torch.compile'd graph (engine/model/decode_graph.py).
     draft_compile: bool = False
     # Branches a draft tree may hold (engine/spec_decode/proposers/tree.py): n-gram matches with
-    # different continuations, or the EAGLE-3 head's top tokens per level, verified in one forward
-    # within the same k nodes; 1: chains only.
+    # different continuations, or the EAGLE-3 head's or the draft model's top tokens per level,
+    # verified in one forward within the same k nodes; 1: chains only.
     tree_width: int = 1
 
     def __post_init__(self) -> None:

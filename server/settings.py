@@ -91,7 +91,7 @@ class Settings(BaseSettings):
         default=engine_default("speculative_tree_width"),
         ge=1,
         le=8,
-        description="branches per level of a draft tree (n-gram, eagle3); 1: chains",
+        description="branches per level of a draft tree (n-gram, eagle3, draft model); 1: chains",
     )
     ngram_min: int = Field(
         default=engine_default("ngram_min"),

@@ -51,7 +51,13 @@ from engine.spec_decode.proposers import (
 from engine.spec_decode.proposers.forced import ForcedDraftProposer
 from engine.spec_decode.proposers.gemma4_assistant import Gemma4AssistantProposer
 from engine.spec_decode.step_cost import StepCosts, calibrate, calibration_rows
-from engine.spec_decode.verify import Verified, num_logits, verify_inputs, verify_step
+from engine.spec_decode.verify import (
+    Verified,
+    draft_frontier,
+    num_logits,
+    verify_inputs,
+    verify_step,
+)
 
 log = logging.getLogger("specserve.engine")
 
@@ -310,7 +316,7 @@ class LLMEngine:
             outcome.tokens,
             k,
             proposal.source,
-            proposal.num_draft_computed,
+            draft_frontier(proposal, outcome),
             outcome.logprobs,
             prompt_logprobs,
         )
@@ -407,7 +413,7 @@ class LLMEngine:
             head_rows=spec.draft_vocab_size,
             compile_decode=spec.draft_compile,
         )
-        draft = DraftModelProposer(self.draft, spec.draft_p_min)
+        draft = DraftModelProposer(self.draft, spec.draft_p_min, spec.tree_width)
         return draft if self._ngram is None else HybridProposer(self._ngram, draft)
 
     def _eagle3_proposer(self) -> Eagle3Proposer:

@@ -86,6 +86,17 @@ def verify_step(
     return verified
 
 
+def draft_frontier(proposal: Proposal, outcome: Verified) -> int | None:
+    """The draft model's K/V frontier after the verify. Of a tree's nodes the draft holds the K/V
+    of its first path only, in place (proposers/draft_tree.py): where the accepted path leaves
+    that path (its first K/V move's destination), the draft's K/V there is another node's. The
+    scheduler then clamps the frontier to the accepted prefix, as for a chain."""
+    frontier = proposal.num_draft_computed
+    if frontier is None or not outcome.kv_moves:
+        return frontier
+    return min(frontier, outcome.kv_moves[0][1])
+
+
 def _verify_chains(
     batch: list[ScheduledSeq],
     proposals: list[Proposal],

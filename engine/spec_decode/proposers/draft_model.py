@@ -15,6 +15,14 @@ dropped. On a CPU, where reading a result costs nothing, the loop looks at each 
 running a request once it is unsure: that saves its forwards. Requests with a grammar, a logit
 bias or penalties need their drafts on the host each step, so a batch with any takes the CPU's
 loop everywhere.
+
+With `tree_width` > 1 the draft proposes EAGLE-2 dynamic trees instead (draft_tree.py): the same
+catch-up forward scores the root's children, then one forward per level expands the likeliest
+nodes, for every drafting request at once. The nodes are the draft's top picks (q one-hot), so
+tree rejection sampling stays exact; grammar requests have each node masked after its own path,
+logit bias and penalties are left to the verify (as the EAGLE-3 head's trees do), and `p_min`
+does not apply (a tree's budget goes to its likeliest nodes instead). A draft with a sliding
+window drafts chains: a tree's mask hides keys by node, not by window.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from engine.sample import structured
 from engine.sample.sampler import processed_probs, sample, sample_on_device
 from engine.sequence import ScheduledSeq, Sequence
 from engine.spec_decode.proposers.base import Proposal
+from engine.spec_decode.proposers.draft_tree import draft_trees
 
 
 @dataclass(frozen=True)
@@ -44,14 +53,18 @@ class _DraftStep:
 class DraftModelProposer:
     name = "draft"
 
-    def __init__(self, runner: ModelRunner, p_min: float = 0.0) -> None:
+    def __init__(self, runner: ModelRunner, p_min: float = 0.0, tree_width: int = 1) -> None:
         if runner.is_hybrid:  # its frontier rolls back by position; a recurrent state cannot
             raise ValueError("a hybrid (linear-attention) model cannot be the draft model")
         self.runner = runner
         self.p_min = p_min
+        windowed = runner.model.shape.sliding_window is not None
+        self.tree_width = 1 if windowed else tree_width  # > 1: EAGLE-2 dynamic trees
 
     def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
         active = [i for i, item in enumerate(batch) if item.k_for(self.name) > 0]
+        if active and self.tree_width > 1:
+            return self._propose_trees(batch, active)
         on_device = not devices.host_syncs_free(self.runner.device)
         if active and on_device and all(_plain(batch[i]) for i in active):
             return self._propose_on_device(batch, active)
@@ -76,6 +89,21 @@ class DraftModelProposer:
             self._proposal(item, drafts.get(i), probs.get(i), frontier.get(i))
             for i, item in enumerate(batch)
         ]
+
+    def _propose_trees(self, batch: list[ScheduledSeq], active: list[int]) -> list[Proposal]:
+        """The catch-up forward scores each tree's root; draft_tree.py grows the rest."""
+        frontier = {i: batch[i].seq.num_draft_computed_tokens for i in active}
+        logits = self.runner.forward([self._catch_up(batch[i], frontier, i) for i in active])
+        items = [batch[i] for i in active]
+        budgets = [item.k_for(self.name) for item in items]
+        trees, held = draft_trees(self.runner, items, budgets, logits, self.tree_width)
+        proposals = [Proposal.empty() for _ in batch]
+        for i, tree, n in zip(active, trees, held, strict=True):
+            if len(tree):
+                parents = None if tree.is_chain else tree.parents  # a chain verifies batched
+                drafts = list(tree.token_ids)
+                proposals[i] = Proposal(drafts, None, self.name, frontier[i] + n, parents)
+        return proposals
 
     def _propose_on_device(self, batch: list[ScheduledSeq], active: list[int]) -> list[Proposal]:
         """Every active request drafts its k; the picks never leave the device until the end."""

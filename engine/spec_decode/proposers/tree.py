@@ -107,17 +107,17 @@ def tree_from_paths(paths: Sequence[Sequence[int]], budget: int, branch_len: int
     if not paths or budget <= 0:
         return DraftTree((), ())
     first = list(paths[0])
-    extra = [min(branch_len, len(p) - _common_prefix(p, first)) for p in paths[1:]]
+    extra = [min(branch_len, len(p) - common_prefix(p, first)) for p in paths[1:]]
     reserve = min(sum(e for e in extra if e > 0), budget // 2)
     trie = _Trie()
     trie.insert(first[: budget - reserve], budget)
     for path, n in zip(paths[1:], extra, strict=True):
         if n > 0:
-            trie.insert(list(path[: _common_prefix(path, first) + n]), budget)
+            trie.insert(list(path[: common_prefix(path, first) + n]), budget)
     return trie.flatten()
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1

@@ -112,3 +112,15 @@ def test_qwen3_dense_layers_take_the_stack(tmp_path: Path, dtype: str) -> None:
         [ForwardInput([5, 6, 7], 30, [0, 1, 2], 3)],
     ):
         assert all(stack_and_loop_agree(runner, inputs)), inputs
+
+
+def test_a_layers_experts_share_one_buffer(moe_gguf: Path) -> None:
+    """Loaded, every expert's blocks of a layer are views of one buffer (advised onto 2 MB
+    pages), gate_up and down alike; the native call reads those same views."""
+    runner = _runner(moe_gguf, torch.bfloat16)
+    for layer in runner.model.layers:
+        moe = layer.mlp
+        assert isinstance(moe, MoE)
+        linears = [m for e in moe.experts for m in (e.gate_up_proj, e.down_proj)]
+        storages = {k.blocks.untyped_storage().data_ptr() for m in linears for k in m.kernels}
+        assert len(storages) == 1

@@ -114,10 +114,6 @@ class MoE(nn.Module):
             out.index_add_(0, rows, y * weights.view(-1)[slots, None])
         return out
 
-    def pack_experts(self) -> None:
-        """The experts' GGUF blocks in one buffer on 2 MB pages, once they are loaded."""
-        native_experts.pack_on_huge_pages(self.experts)
-
     @cached_property
     def native(self) -> native_experts.NativeExperts | None:
         """The experts as one native call a step (quant.native_experts), once they are loaded:

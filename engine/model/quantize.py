@@ -10,6 +10,7 @@ from torch import nn
 from engine.config import Quantization
 from engine.model.decoder import DecoderModel
 from engine.model.quant.linear import QuantEmbedding, QuantizeMode, QuantLinear
+from engine.model.quant.native import GgufKernel
 
 
 def quantize_mode(quantization: Quantization, from_gguf: bool) -> QuantizeMode | None:
@@ -53,11 +54,12 @@ class WeightSummary:
 
 def summarize(model: nn.Module) -> WeightSummary:
     by_format: dict[str, int] = {}
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()  # (address, bytes): a tied tensor once; views of one
+    # buffer (pack_on_huge_pages) each
 
     def add(fmt: str, tensors: list[torch.Tensor]) -> None:
-        fresh = [t for t in tensors if t.untyped_storage().data_ptr() not in seen]
-        seen.update(t.untyped_storage().data_ptr() for t in fresh)
+        fresh = [t for t in tensors if (t.data_ptr(), t.nbytes) not in seen]
+        seen.update((t.data_ptr(), t.nbytes) for t in fresh)
         by_format[fmt] = by_format.get(fmt, 0) + sum(t.nbytes for t in fresh)
 
     for module in model.modules():
@@ -76,3 +78,14 @@ def summarize(model: nn.Module) -> WeightSummary:
     total = sum(by_format.values())
     shown = sorted((f for f in by_format if f and by_format[f]), key=lambda f: -by_format[f])
     return WeightSummary(" + ".join(shown) or "none", total)
+
+
+def gguf_kernels(model: nn.Module) -> list[GgufKernel]:
+    """Every GGUF-block kernel of the model's quantized linear layers (the head's too)."""
+    return [
+        kernel
+        for module in model.modules()
+        if isinstance(module, QuantLinear)
+        for kernel in module.kernels
+        if isinstance(kernel, GgufKernel)
+    ]

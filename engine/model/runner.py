@@ -19,9 +19,14 @@ from engine.model.device import TimingMark, elapsed_seconds, start_timing, stop_
 from engine.model.families import build_decoder
 from engine.model.hybrid import HybridDecoderModel, num_kv_layers
 from engine.model.loader import LoadedModel
-from engine.model.moe import MoE
-from engine.model.quant.native import forward_chunks
-from engine.model.quantize import WeightSummary, quantize_mode, summarize, swap_in_quantized
+from engine.model.quant.native import forward_chunks, pack_on_huge_pages
+from engine.model.quantize import (
+    WeightSummary,
+    gguf_kernels,
+    quantize_mode,
+    summarize,
+    swap_in_quantized,
+)
 from engine.model.rope import rope_positions_limit
 from engine.model.sharding import shard_decoder
 from engine.model.state_pool import StateBatch, StateCommit, StatePool, StateRestore
@@ -402,9 +407,8 @@ def _build_model(
         model = model.to(device)
     model.init_rotary(loaded.hf_config, device)
     if tp is None:
-        for module in model.modules():
-            if isinstance(module, MoE) and device.type == "cpu":
-                module.pack_experts()
+        if device.type == "cpu":
+            pack_on_huge_pages(gguf_kernels(model))
         model.native_stack = decoder_stack.build(model)
     _return_freed_memory()
     return model.eval()

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import gguf_ops
+from engine.kernels import gguf_ops, memory
 from engine.model.quant.formats import GgufBlocks
 
 log = logging.getLogger("specserve.quant")
@@ -97,6 +97,27 @@ class GgufKernel:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.blocks]
+
+
+def pack_on_huge_pages(kernels: list[GgufKernel]) -> None:
+    """Every kernel's blocks moved into one buffer on 2 MB pages (memory.empty_huge). Apart, each
+    matrix under 4 MB (the advice's minimum: attention projections, a MoE's 1-2 MB experts) sits
+    on 4 KB pages, and a decode step streaming them takes a TLB miss every 4 KB. Loaded with
+    their blocks apart, the bundled 1.5B had 0.66 of its 1.35 GB on huge pages, the 8-layer
+    Qwen3-30B-A3B-shaped bench file 0.3 of 3.4 GB."""
+    if not kernels:
+        return
+    sizes = [-(-k.blocks.numel() // _ALIGN) * _ALIGN for k in kernels]  # views 64-byte aligned
+    buffer = memory.empty_huge((sum(sizes),), torch.uint8)
+    offset = 0
+    for kernel, size in zip(kernels, sizes, strict=True):
+        view = buffer[offset : offset + kernel.blocks.numel()].view(kernel.blocks.shape)
+        view.copy_(kernel.blocks)
+        kernel.blocks = view  # the old tensor is freed
+        offset += size
+
+
+_ALIGN = 64
 
 
 def _dense_dtype(dtype: torch.dtype) -> torch.dtype:

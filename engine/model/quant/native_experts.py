@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.kernels import fused_ops, memory
+from engine.kernels import fused_ops
 from engine.model.quant.linear import QuantLinear
 from engine.model.quant.native import ACTIVATION_PASSES, GgufKernel
 
@@ -73,28 +73,6 @@ def build(experts: nn.ModuleList) -> NativeExperts | None:
         blocks.gate_up, blocks.down, blocks.gate_up_qtype, blocks.down_qtype
     )
     return native
-
-
-def pack_on_huge_pages(experts: nn.ModuleList) -> None:
-    """Every expert's GGUF blocks moved into one buffer on 2 MB pages (memory.empty_huge). Apart,
-    each expert's 1-2 MB matrix sits on 4 KB pages (the advice needs 4 MB), so the few experts a
-    decode step reads, scattered over gigabytes, cost a TLB miss every 4 KB; the Qwen3-30B-A3B-shaped
-    bench model had 0.3 of its 3.4 GB on huge pages before this."""
-    kernels = [_one_gguf_kernel(k) for e in experts for k in (e.gate_up_proj, e.down_proj)]
-    found = [k for k in kernels if k is not None]
-    if not found:
-        return
-    sizes = [-(-k.blocks.numel() // _ALIGN) * _ALIGN for k in found]  # each view 64-byte aligned
-    buffer = memory.empty_huge((sum(sizes),), torch.uint8)
-    offset = 0
-    for kernel, size in zip(found, sizes, strict=True):
-        view = buffer[offset : offset + kernel.blocks.numel()].view(kernel.blocks.shape)
-        view.copy_(kernel.blocks)
-        kernel.blocks = view  # the old tensor is freed
-        offset += size
-
-
-_ALIGN = 64
 
 
 def _one_gguf_kernel(linear: object) -> GgufKernel | None:

@@ -21,6 +21,7 @@ from engine.kernels import gguf_ops
 from engine.model import decoder_stack
 from engine.model.loader import load_model
 from engine.model.moe import MoE
+from engine.model.quantize import gguf_kernels
 from engine.model.runner import ForwardInput, ModelRunner
 
 pytestmark = pytest.mark.skipif(not gguf_ops.available(), reason="native kernels not built")
@@ -114,13 +115,10 @@ def test_qwen3_dense_layers_take_the_stack(tmp_path: Path, dtype: str) -> None:
         assert all(stack_and_loop_agree(runner, inputs)), inputs
 
 
-def test_a_layers_experts_share_one_buffer(moe_gguf: Path) -> None:
-    """Loaded, every expert's blocks of a layer are views of one buffer (advised onto 2 MB
-    pages), gate_up and down alike; the native call reads those same views."""
+def test_every_gguf_matrix_shares_one_buffer(moe_gguf: Path) -> None:
+    """Loaded, every GGUF matrix (attention, experts, head) is a view of one buffer advised onto
+    2 MB pages; the native call and the stack read those same views."""
     runner = _runner(moe_gguf, torch.bfloat16)
-    for layer in runner.model.layers:
-        moe = layer.mlp
-        assert isinstance(moe, MoE)
-        linears = [m for e in moe.experts for m in (e.gate_up_proj, e.down_proj)]
-        storages = {k.blocks.untyped_storage().data_ptr() for m in linears for k in m.kernels}
-        assert len(storages) == 1
+    kernels = gguf_kernels(runner.model)
+    assert len(kernels) > 3 * 8 * 2  # every expert's gate_up and down, and more
+    assert len({k.blocks.untyped_storage().data_ptr() for k in kernels}) == 1

@@ -45,9 +45,16 @@ class Router(nn.Module):
         self.topk_then_softmax = moe.topk_then_softmax
 
     def forward(
-        self, x: torch.Tensor, dtype: torch.dtype
+        self, x: torch.Tensor, dtype: torch.dtype, native: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, hidden] -> weights [T, k] (dtype), ids [T, k]
-        logits = _row_by_row(x.to(dtype), self.weight)  # [T, num_experts]
+        """`native`: the logits by the native experts' own kernel (x float32, no bias), which the
+        native layer stack calls too: 16 float32 lanes a row where torch's bf16 GEMM takes ~90 us
+        a call for a 128 x 2048 router."""
+        if native:
+            assert self.bias is None and x.dtype == torch.float32
+            logits = native_experts.router_logits(x, self.weight)  # [T, num_experts] in dtype
+        else:
+            logits = _row_by_row(x.to(dtype), self.weight)  # [T, num_experts]
         if self.bias is not None:
             logits = logits + self.bias
         if self.topk_then_softmax:  # gpt-oss: the softmax over the chosen k, in the model dtype
@@ -100,11 +107,24 @@ class MoE(nn.Module):
         x: torch.Tensor,  # [T, hidden]: the model dtype's values (float32 for GGUF experts)
         dtype: torch.dtype,  # the model's
     ) -> torch.Tensor:  # [T, hidden] in dtype
-        weights, ids = self.gate(x, dtype)  # [T, k] each
         native = self.native is not None and x.dtype == torch.float32
-        if native and weights.dtype in (torch.float32, torch.bfloat16):
+        native = (
+            native and dtype in (torch.float32, torch.bfloat16) and self.gate.weight.dtype == dtype
+        )
+        weights, ids = self.gate(x, dtype, native)  # [T, k] each
+        if native:
             assert self.native is not None
             return self.native.forward(x, ids, weights)  # the same sums, natively
+        return self.grouped(x, dtype, weights, ids)
+
+    def grouped(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        dtype: torch.dtype,
+        weights: torch.Tensor,  # [T, k] in dtype
+        ids: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, hidden] in dtype
+        """The chosen experts by the eager grouping: one call per expert with all its rows."""
         if x.shape[0] == 1:
             return self._one_row(x, dtype, weights[0], ids[0])
         out = torch.zeros(x.shape[0], x.shape[1], dtype=dtype, device=x.device)

@@ -19,7 +19,7 @@
 // qkv and rope, as torch's eager ops compute them in decoder.py. A routed layer (Qwen3-MoE) has,
 // in place of gate_up and down,
 //
-//   weights, ids = top_k(softmax(h.to(dtype) W_router^T, float32))   each row alone, as moe.py
+//   weights, ids = top_k(softmax(router_logits(h, W_router), float32))   each row alone, as moe.py
 //   x   = moe::forward(experts, h, ids, weights)  the chosen experts' products (moe.cpp)
 //
 // Gemma 3's layer (`gemma`), with gemma.cpp's ops in place of the eager ones decoder.py calls:
@@ -37,7 +37,6 @@
 #include <ATen/ops/div.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/mean.h>
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/softmax.h>
@@ -243,7 +242,7 @@ class DecoderStack : public torch::CustomClassHolder {
                                                   scale_, "auto", 256, 0, tree_bits);  // [T, heads, D]
       x = layer.o(attended.view({tokens, q_size}).to(at::kFloat).contiguous());
       std::tie(h, residual) = fused::add_rmsnorm(x, residual, layer.post_norm, eps_, at::kFloat, "auto");
-      x = layer.routed ? routed_mlp(*layer.routed, h, dtype)
+      x = layer.routed ? routed_mlp(*layer.routed, h)
                        : layer.down(fused::silu_mul(layer.gate_up(h), dtype, at::kFloat, "auto"));
     }
     auto [out, stream] = fused::add_rmsnorm(x, residual, final_norm_, eps_, dtype, "auto");
@@ -260,12 +259,10 @@ class DecoderStack : public torch::CustomClassHolder {
     return at::mul(weight, normed.to(x.scalar_type()));
   }
 
-  // moe.py's MoE: the router row by row in the model dtype, its softmax in float32, the top k
+  // moe.py's MoE: the router's logits by moe.cpp's kernel, their softmax in float32, the top k
   // (rescaled to sum to 1 where norm_topk_prob says) in the model dtype, then the experts.
-  static at::Tensor routed_mlp(const Routed& r, const at::Tensor& h, at::ScalarType dtype) {  // [T, H] float32
-    std::vector<at::Tensor> rows;
-    for (const at::Tensor& row : h.to(dtype).split(1)) rows.push_back(at::linear(row, r.router));
-    const at::Tensor logits = at::cat(rows);  // [T, experts]
+  static at::Tensor routed_mlp(const Routed& r, const at::Tensor& h) {  // [T, H] float32
+    const at::Tensor logits = moe::router_logits(h, r.router);  // [T, experts] in dtype
     auto [top, ids] = at::topk(at::softmax(logits, -1, at::kFloat), r.top_k, -1);
     if (r.norm_topk_prob) top = at::div(top, top.sum(-1, true));
     return moe::forward(r.experts, h, ids, top.to(logits.scalar_type()));  // [T, H] in dtype

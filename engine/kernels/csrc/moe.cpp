@@ -19,6 +19,7 @@
 
 #include "moe.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
@@ -29,7 +30,9 @@
 #include <numeric>
 #include <utility>
 
+#include "fused_rows.h"
 #include "gguf_mm.h"
+#include "isa.h"
 #include "ops.h"
 
 namespace specserve::moe {
@@ -125,6 +128,72 @@ at::Tensor forward(const Experts& experts, const at::Tensor& x_in, const at::Ten
 
 namespace {
 
+// x . w over n values: 16 float32 lanes (lane l takes values l, l + 16, ...), then halves added
+// pairwise; separate multiplies and adds (no FMA in this file), so every ISA gets the same bits.
+template <typename W>
+SPECSERVE_INLINE float dot_rounded(const float* x, const W* w, int64_t n) {
+  float lanes[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += x[i + l] * fused::widen(w[i + l]);
+  for (; i < n; ++i) lanes[i % 16] += x[i] * fused::widen(w[i]);
+  for (int width = 8; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0];
+}
+
+struct LogitArgs {
+  const float* x;  // [T, H], already rounded to W's dtype
+  const void* w;   // [E, H]
+  void* out;       // [T, E]
+  int64_t experts, hidden;
+};
+
+template <typename W>
+SPECSERVE_INLINE void logit_range(const LogitArgs& a, int64_t begin, int64_t end) {  // (t, e) pairs
+  const W* w = static_cast<const W*>(a.w);
+  W* out = static_cast<W*>(a.out);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t t = i / a.experts, e = i % a.experts;
+    fused::store(out + i, fused::round_to<W>(dot_rounded(a.x + t * a.hidden, w + e * a.hidden, a.hidden)));
+  }
+}
+
+#define SPECSERVE_LOGIT_VARIANT(NAME, TARGET) \
+  template <typename W>                        \
+  TARGET void logits_##NAME(const LogitArgs& a, int64_t begin, int64_t end) { logit_range<W>(a, begin, end); }
+SPECSERVE_LOGIT_VARIANT(scalar, )
+SPECSERVE_LOGIT_VARIANT(avx2, __attribute__((target("avx2,f16c"))))
+SPECSERVE_LOGIT_VARIANT(avx512, __attribute__((target("avx512f,avx512bw"))))
+
+}  // namespace
+
+at::Tensor router_logits(const at::Tensor& x_in, const at::Tensor& weight_in, const std::string& isa_name) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "router_logits: x must be [T, H] float32");
+  TORCH_CHECK(weight_in.dim() == 2 && weight_in.size(1) == x_in.size(1), "router_logits: weight must be [E, H]");
+  const at::ScalarType dtype = weight_in.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "router_logits: weight in float32 or bfloat16");
+  const cpu::RowIsa isa = cpu::pick_row_isa(isa_name, "router_logits");
+  const at::Tensor x = x_in.to(dtype).to(at::kFloat).contiguous();  // rounded as x.to(dtype)
+  const at::Tensor weight = weight_in.contiguous();
+  const int64_t tokens = x.size(0), experts = weight.size(0);
+  at::Tensor out = at::empty({tokens, experts}, weight.options());
+  const LogitArgs args{x.data_ptr<float>(), weight.data_ptr(), out.data_ptr(), experts, x.size(1)};
+  at::parallel_for(0, tokens * experts, 16, [&](int64_t begin, int64_t end) {
+    if (dtype == at::kBFloat16) {
+      if (isa == cpu::RowIsa::kAvx512) return logits_avx512<c10::BFloat16>(args, begin, end);
+      if (isa == cpu::RowIsa::kAvx2) return logits_avx2<c10::BFloat16>(args, begin, end);
+      return logits_scalar<c10::BFloat16>(args, begin, end);
+    }
+    if (isa == cpu::RowIsa::kAvx512) return logits_avx512<float>(args, begin, end);
+    if (isa == cpu::RowIsa::kAvx2) return logits_avx2<float>(args, begin, end);
+    logits_scalar<float>(args, begin, end);
+  });
+  return out;
+}
+
+namespace {
+
 class MoeExperts : public torch::CustomClassHolder {
  public:
   MoeExperts(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, int64_t gate_up_qtype,
@@ -157,6 +226,7 @@ class MoeExperts : public torch::CustomClassHolder {
 }  // namespace specserve::moe
 
 TORCH_LIBRARY_FRAGMENT(specserve_kernels, m) {
+  m.def("router_logits(Tensor x, Tensor weight, str isa=\"auto\") -> Tensor", &specserve::moe::router_logits);
   m.class_<specserve::moe::MoeExperts>("MoeExperts")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t>())
       .def("forward", &specserve::moe::MoeExperts::forward);

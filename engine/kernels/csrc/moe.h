@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 namespace specserve::moe {
@@ -21,5 +22,12 @@ at::Tensor forward(const Experts& experts,
                    const at::Tensor& x,         // [T, H] float32: the model dtype's values
                    const at::Tensor& ids,       // [T, k] int64: each row's experts
                    const at::Tensor& weights);  // [T, k] in the model dtype (float32, bfloat16)
+
+// -> [T, E] in weight's dtype: logits[t, e] = x_t . W_e, x rounded to that dtype first (as
+// `x.to(dtype)`), the products summed in float32 over 16 lanes then a fixed tree, rounded once.
+// Each row alone, the same bits in every ISA variant ("auto", "scalar", "avx2", "avx512").
+at::Tensor router_logits(const at::Tensor& x,       // [T, H] float32
+                         const at::Tensor& weight,  // [E, H] float32 or bfloat16
+                         const std::string& isa = "auto");
 
 }  // namespace specserve::moe

@@ -75,6 +75,14 @@ def build(experts: nn.ModuleList) -> NativeExperts | None:
     return native
 
 
+def router_logits(
+    x: torch.Tensor,  # [T, hidden] float32: the model dtype's values
+    weight: torch.Tensor,  # [num_experts, hidden] in the model dtype
+) -> torch.Tensor:  # [T, num_experts] in the model dtype: x W^T, each row alone (csrc/moe.cpp)
+    logits: torch.Tensor = torch.ops.specserve_kernels.router_logits(x, weight)
+    return logits
+
+
 def _one_gguf_kernel(linear: object) -> GgufKernel | None:
     if not isinstance(linear, QuantLinear) or linear.bias is not None or len(linear.kernels) != 1:
         return None

@@ -47,16 +47,22 @@ def _runner(path: Path, dtype: torch.dtype) -> ModelRunner:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_native_experts_equal_the_eager_grouping(moe_gguf: Path, dtype: torch.dtype) -> None:
+    """The same routing, then the experts by the native call and by one gguf_mm per chosen
+    expert and matrix: bit for bit, and each row alone as in a batch."""
     runner = _runner(moe_gguf, dtype)
     moe = runner.model.layers[0].mlp
     assert isinstance(moe, MoE) and moe.native is not None
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(0)).to(dtype).float()
     with torch.no_grad():
-        native = [moe(rows, dtype) for rows in (x, x[:1], x[3:5])]
-        moe.native = None  # the eager grouping, one gguf_mm per chosen expert and matrix
-        eager = [moe(rows, dtype) for rows in (x, x[:1], x[3:5])]
-    assert all(torch.equal(a, b) for a, b in zip(native, eager, strict=True))
-    assert torch.equal(native[0][:1], native[1]) and torch.equal(native[0][3:5], native[2])
+        for rows in (x, x[:1], x[3:5]):
+            weights, ids = moe.gate(rows, dtype, native=True)
+            assert torch.equal(
+                moe.native.forward(rows, ids, weights), moe.grouped(rows, dtype, weights, ids)
+            )
+        batched = moe(x, dtype)
+        assert torch.equal(batched[:1], moe(x[:1], dtype)) and torch.equal(
+            batched[3:5], moe(x[3:5], dtype)
+        )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -122,3 +128,22 @@ def test_every_gguf_matrix_shares_one_buffer(moe_gguf: Path) -> None:
     kernels = gguf_kernels(runner.model)
     assert len(kernels) > 3 * 8 * 2  # every expert's gate_up and down, and more
     assert len({k.blocks.untyped_storage().data_ptr() for k in kernels}) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_router_logits_kernel(dtype: torch.dtype) -> None:
+    """Every ISA variant the same bits, each row alone as in any batch, and torch's own
+    `F.linear(x.to(dtype), W)` within a rounding of the model dtype."""
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(128, 2048, generator=gen) * 0.02).to(dtype)
+    x = torch.randn(7, 2048, generator=gen)
+    ops = torch.ops.specserve_kernels
+    variants = ["scalar"] + [v for v in ("avx2", "avx512") if ops.cpu_supports(v)]
+    outs = [ops.router_logits(x, weight, isa) for isa in variants]
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    assert all(
+        torch.equal(ops.router_logits(x[i : i + 1], weight), outs[0][i : i + 1]) for i in range(7)
+    )
+    want = torch.nn.functional.linear(x.to(dtype), weight).float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2 * 2**-8 * want.abs().max().item()
+    assert (outs[0].float() - want).abs().max().item() <= tolerance

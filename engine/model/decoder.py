@@ -389,6 +389,12 @@ class DecoderModel(nn.Module):
                 aux.append(x if residual is None else x.to(residual.dtype) + residual)
             layer_rope = local_rope if layer.sliding and local_rope is not None else rope
             x, residual = layer(x, residual, layer_rope, kv_cache, meta)
+        return self.final_norm(x, residual, aux)
+
+    def final_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, aux: list[torch.Tensor]
+    ) -> torch.Tensor:  # [num_tokens, hidden] after the last layer -> the final norm's output
+        """The last add and norm; the kept streams (aux_layers, in order) set as aux_hidden."""
         dtype = x.dtype if residual is None else residual.dtype
         out, stream = self.norm.add_forward(x, residual, dtype)
         if len(self.layers) in self.aux_layers:

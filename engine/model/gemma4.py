@@ -169,13 +169,7 @@ class Gemma4Model(DecoderModel):
             kv = kv_caches[self.extras.kv_sources[i]]
             pli = None if per_layer is None else per_layer[:, i]
             x, residual = layer(x, residual, local if layer.sliding else rope, kv, meta, pli)
-        dtype = x.dtype if residual is None else residual.dtype
-        out, stream = self.norm.add_forward(x, residual, dtype)
-        if len(self.layers) in self.aux_layers:
-            aux.append(stream.to(dtype))
-        if aux:
-            self.aux_hidden = torch.cat(aux, dim=-1)
-        return out
+        return self.final_norm(x, residual, aux)
 
     def _per_layer_inputs(
         self,

@@ -44,3 +44,19 @@ class NoProposer:
 
     def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
         return [Proposal.empty() for _ in batch]
+
+
+def still_drafting(
+    batch: list[ScheduledSeq],
+    rows: list[int],  # the batch indices drafting this step
+    drafted: list[bool],  # per row: whether it drafted a token this step
+    steps_done: int,
+    proposer: str,
+) -> list[int]:
+    """Positions in `rows` of the requests that drafted this step and want more than
+    `steps_done` drafts from `proposer`."""
+    return [
+        r
+        for r, (i, ok) in enumerate(zip(rows, drafted, strict=True))
+        if ok and batch[i].k_for(proposer) > steps_done
+    ]

@@ -36,7 +36,7 @@ from engine.model.runner import ModelRunner
 from engine.sample import structured
 from engine.sample.sampler import processed_probs, sample
 from engine.sequence import ScheduledSeq, Sequence
-from engine.spec_decode.proposers.base import Proposal
+from engine.spec_decode.proposers.base import Proposal, still_drafting
 from engine.spec_decode.proposers.eagle3_tree import draft_trees
 
 
@@ -105,11 +105,7 @@ class Eagle3Proposer:
                 logits, hidden = self._run(hidden, tokens, spans)
             drafted = self._pick(batch, rows, logits, drafts, probs)
             step += 1
-            keep = [
-                r
-                for r, (i, ok) in enumerate(zip(rows, drafted, strict=True))
-                if ok and batch[i].k_for(self.name) > step
-            ]
+            keep = still_drafting(batch, rows, drafted, step, self.name)
             rows, hidden = [rows[r] for r in keep], hidden[keep]
         return [self._proposal(item, drafts.get(i), probs.get(i)) for i, item in enumerate(batch)]
 

@@ -28,7 +28,7 @@ from engine.model.device import TimingMark, elapsed_seconds, start_timing, stop_
 from engine.model.gemma4_assistant import Gemma4Assistant, KVSources
 from engine.model.runner import ModelRunner
 from engine.sequence import ScheduledSeq, Sequence
-from engine.spec_decode.proposers.base import Proposal
+from engine.spec_decode.proposers.base import Proposal, still_drafting
 from engine.spec_decode.proposers.eagle3 import Eagle3Proposer
 
 
@@ -61,11 +61,7 @@ class Gemma4AssistantProposer:
                 logits, state = self._run(positions, tables, tokens, state)
                 drafted = Eagle3Proposer._pick(batch, rows, logits, drafts, probs)
                 step += 1
-                keep = [
-                    r
-                    for r, (i, ok) in enumerate(zip(rows, drafted, strict=True))
-                    if ok and batch[i].k_for(self.name) > step
-                ]
+                keep = still_drafting(batch, rows, drafted, step, self.name)
                 rows, state = [rows[r] for r in keep], state[keep]
                 tokens = [drafts[i][-1] for i in rows]
         return [self._proposal(item, drafts.get(i), probs.get(i)) for i, item in enumerate(batch)]

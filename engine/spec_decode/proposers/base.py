@@ -60,3 +60,14 @@ def still_drafting(
         for r, (i, ok) in enumerate(zip(rows, drafted, strict=True))
         if ok and batch[i].k_for(proposer) > steps_done
     ]
+
+
+def picked_proposal(
+    item: ScheduledSeq, drafted: list[int] | None, probs: list[torch.Tensor] | None, name: str
+) -> Proposal:
+    """A head's or assistant's picks for one request (`Proposal.empty()` where it drafted none);
+    greedy and seeded requests verify by matching the target's own token, so q goes unread."""
+    if not drafted or probs is None:
+        return Proposal.empty()
+    matched = item.seq.params.greedy or item.seq.seed_stream is not None
+    return Proposal(drafted, None if matched else torch.stack(probs), name)

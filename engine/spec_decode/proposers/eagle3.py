@@ -36,7 +36,7 @@ from engine.model.runner import ModelRunner
 from engine.sample import structured
 from engine.sample.sampler import processed_probs, sample
 from engine.sequence import ScheduledSeq, Sequence
-from engine.spec_decode.proposers.base import Proposal, still_drafting
+from engine.spec_decode.proposers.base import Proposal, picked_proposal, still_drafting
 from engine.spec_decode.proposers.eagle3_tree import draft_trees
 
 
@@ -248,11 +248,7 @@ class Eagle3Proposer:
     def _proposal(
         self, item: ScheduledSeq, drafted: list[int] | None, probs: list[torch.Tensor] | None
     ) -> Proposal:
-        if not drafted or probs is None:
-            return Proposal.empty()
-        # Greedy and seeded requests verify by matching the target's own token: q goes unread.
-        matched = item.seq.params.greedy or item.seq.seed_stream is not None
-        return Proposal(drafted, None if matched else torch.stack(probs), self.name)
+        return picked_proposal(item, drafted, probs, self.name)
 
 
 class MtpProposer(Eagle3Proposer):

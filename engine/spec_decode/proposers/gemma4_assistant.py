@@ -28,7 +28,7 @@ from engine.model.device import TimingMark, elapsed_seconds, start_timing, stop_
 from engine.model.gemma4_assistant import Gemma4Assistant, KVSources
 from engine.model.runner import ModelRunner
 from engine.sequence import ScheduledSeq, Sequence
-from engine.spec_decode.proposers.base import Proposal, still_drafting
+from engine.spec_decode.proposers.base import Proposal, picked_proposal, still_drafting
 from engine.spec_decode.proposers.eagle3 import Eagle3Proposer
 
 
@@ -117,11 +117,7 @@ class Gemma4AssistantProposer:
     def _proposal(
         self, item: ScheduledSeq, drafted: list[int] | None, probs: list[torch.Tensor] | None
     ) -> Proposal:
-        if not drafted or probs is None:
-            return Proposal.empty()
-        # Greedy and seeded requests verify by matching the target's own token: q goes unread.
-        matched = item.seq.params.greedy or item.seq.seed_stream is not None
-        return Proposal(drafted, None if matched else torch.stack(probs), self.name)
+        return picked_proposal(item, drafted, probs, self.name)
 
     def take_timings(self) -> list[tuple[int, float]]:
         """(rows, seconds) of each timed assistant forward since the last call."""

@@ -347,7 +347,7 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         assert self.rotary is not None, "call init_rotary first"
-        x = self._embed(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
         local = None  # layers of two kinds: the sliding layers' rope
         if self.shape.layer_types:
@@ -365,7 +365,7 @@ class DecoderModel(nn.Module):
         run_layers = self.compiled_layers or self.run_layers
         return run_layers(x, rope, kv_caches, meta)
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         x = self.embed_tokens(input_ids)
         if self.shape.embedding_multiplier != 1.0:  # Granite's, a Python float as transformers'
             x = x * self.shape.embedding_multiplier

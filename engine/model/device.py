@@ -75,3 +75,14 @@ def elapsed_seconds(start: TimingMark, stop: TimingMark) -> float:
         return stop.host - start.host
     stop.event.synchronize()
     return start.event.elapsed_time(stop.event) / 1000.0
+
+
+def drain_timings(
+    timings: list[tuple[int, TimingMark, TimingMark]] | None,  # (rows, start, stop); None: off
+) -> list[tuple[int, float]]:
+    """(rows, seconds) of each recorded forward, the record emptied for the next step."""
+    if not timings:
+        return []
+    taken = [(rows, elapsed_seconds(start, stop)) for rows, start, stop in timings]
+    timings.clear()
+    return taken

@@ -157,7 +157,7 @@ class Gemma4Model(DecoderModel):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         assert self.rotary is not None, "call init_rotary first"
-        x = self._embed(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
         local = (self.local_rotary or self.rotary).tables(positions, x.dtype)
         per_layer = self._per_layer_inputs(input_ids, x)  # [T, layers, P] or None

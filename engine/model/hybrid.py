@@ -140,7 +140,7 @@ class HybridDecoderModel(DecoderModel):
         assert self.rotary is not None, "call init_rotary first"
         if states is None:
             raise ValueError("a hybrid model's forward needs its requests' state slots")
-        x = self._embed(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
         residual: torch.Tensor | None = None
         kv = iter(kv_caches)

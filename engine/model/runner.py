@@ -15,7 +15,7 @@ from engine.model import decoder_stack
 from engine.model.attention import AttentionMetadata, RequestSpan
 from engine.model.decode_graph import DecodeGraph
 from engine.model.decoder import DecoderModel, KVCache
-from engine.model.device import TimingMark, elapsed_seconds, start_timing, stop_timing
+from engine.model.device import TimingMark, drain_timings, start_timing, stop_timing
 from engine.model.families import build_decoder
 from engine.model.hybrid import HybridDecoderModel, num_kv_layers
 from engine.model.loader import LoadedModel
@@ -255,10 +255,7 @@ class ModelRunner:
 
     def take_timings(self) -> list[tuple[int, float]]:
         """(rows, seconds) of each timed forward since the last call."""
-        taken = self.timings or []
-        if self.timings is not None:
-            self.timings = []
-        return [(rows, elapsed_seconds(start, stop)) for rows, start, stop in taken]
+        return drain_timings(self.timings)
 
     @property
     def is_hybrid(self) -> bool:

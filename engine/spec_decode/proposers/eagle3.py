@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from engine.model import device as devices
-from engine.model.device import TimingMark, elapsed_seconds, start_timing, stop_timing
+from engine.model.device import TimingMark, drain_timings, start_timing, stop_timing
 from engine.model.eagle3 import HeadCache, HeadSpan
 from engine.model.runner import ModelRunner
 from engine.sample import structured
@@ -103,11 +103,14 @@ class Eagle3Proposer:
                 ]
                 tokens = self._ids([drafts[i][-1] for i in rows])
                 logits, hidden = self._run(hidden, tokens, spans)
-            drafted = self._pick(batch, rows, logits, drafts, probs)
+            drafted = pick_drafts(batch, rows, logits, drafts, probs)
             step += 1
             keep = still_drafting(batch, rows, drafted, step, self.name)
             rows, hidden = [rows[r] for r in keep], hidden[keep]
-        return [self._proposal(item, drafts.get(i), probs.get(i)) for i, item in enumerate(batch)]
+        return [
+            picked_proposal(item, drafts.get(i), probs.get(i), self.name)
+            for i, item in enumerate(batch)
+        ]
 
     def _trees(
         self,
@@ -190,10 +193,7 @@ class Eagle3Proposer:
 
     def take_timings(self) -> list[tuple[int, float]]:
         """(rows, seconds) of each timed head forward since the last call."""
-        taken = self.timings or []
-        if self.timings is not None:
-            self.timings = []
-        return [(rows, elapsed_seconds(start, stop)) for rows, start, stop in taken]
+        return drain_timings(self.timings)
 
     def calibrate(self, rows: list[int], rounds: int = 3) -> list[tuple[int, float]]:
         """(rows, seconds) of a head forward with its logits at each row count, the median of
@@ -215,40 +215,35 @@ class Eagle3Proposer:
     def _ids(self, token_ids: list[int]) -> torch.Tensor:  # [T] long on the head's device
         return torch.tensor(token_ids, dtype=torch.long, device=self.head.device)
 
-    @staticmethod
-    def _pick(
-        batch: list[ScheduledSeq],
-        rows: list[int],  # batch indices, one per logits row
-        logits: torch.Tensor,  # [len(rows), vocab]: -inf outside the draft vocabulary
-        drafts: dict[int, list[int]],
-        probs: dict[int, list[torch.Tensor]],
-    ) -> list[bool]:
-        """One draft for each row's request, and its q over the vocabulary; False where the
-        request can draft nothing (its grammar allows no id the draft vocabulary has)."""
-        seqs = [batch[i].seq for i in rows]
-        logits = structured.constrain_draft_logits(
-            [s.constraint for s in seqs], logits, [drafts[i] for i in rows]
-        )
-        proposes = torch.isfinite(logits.amax(dim=-1))  # [len(rows)]
-        if not proposes.all():
-            logits = torch.where(proposes[:, None], logits, 0.0)  # finite; the row is dropped
-        history = [s.output_token_ids + drafts[i] for s, i in zip(seqs, rows, strict=True)]
-        step_probs = processed_probs(logits, [s.params for s in seqs], history)
-        # A seeded request drafts with the noise of the very position it drafts (as the target
-        # samples it there): where q is close to p, the draft is the target's token.
-        keys = [s.seeded_row_keys(1, ahead=len(drafts[i])) for s, i in zip(seqs, rows, strict=True)]
-        tokens = sample(step_probs, [None if k is None else k[0] for k in keys])
-        ok: list[bool] = proposes.tolist()
-        for r, (i, token) in enumerate(zip(rows, tokens, strict=True)):
-            if ok[r]:
-                drafts[i].append(token)
-                probs[i].append(step_probs[r])
-        return ok
 
-    def _proposal(
-        self, item: ScheduledSeq, drafted: list[int] | None, probs: list[torch.Tensor] | None
-    ) -> Proposal:
-        return picked_proposal(item, drafted, probs, self.name)
+def pick_drafts(
+    batch: list[ScheduledSeq],
+    rows: list[int],  # batch indices, one per logits row
+    logits: torch.Tensor,  # [len(rows), vocab]: -inf outside the draft vocabulary
+    drafts: dict[int, list[int]],
+    probs: dict[int, list[torch.Tensor]],
+) -> list[bool]:
+    """One draft for each row's request, and its q over the vocabulary; False where the
+    request can draft nothing (its grammar allows no id the draft vocabulary has)."""
+    seqs = [batch[i].seq for i in rows]
+    logits = structured.constrain_draft_logits(
+        [s.constraint for s in seqs], logits, [drafts[i] for i in rows]
+    )
+    proposes = torch.isfinite(logits.amax(dim=-1))  # [len(rows)]
+    if not proposes.all():
+        logits = torch.where(proposes[:, None], logits, 0.0)  # finite; the row is dropped
+    history = [s.output_token_ids + drafts[i] for s, i in zip(seqs, rows, strict=True)]
+    step_probs = processed_probs(logits, [s.params for s in seqs], history)
+    # A seeded request drafts with the noise of the very position it drafts (as the target
+    # samples it there): where q is close to p, the draft is the target's token.
+    keys = [s.seeded_row_keys(1, ahead=len(drafts[i])) for s, i in zip(seqs, rows, strict=True)]
+    tokens = sample(step_probs, [None if k is None else k[0] for k in keys])
+    ok: list[bool] = proposes.tolist()
+    for r, (i, token) in enumerate(zip(rows, tokens, strict=True)):
+        if ok[r]:
+            drafts[i].append(token)
+            probs[i].append(step_probs[r])
+    return ok
 
 
 class MtpProposer(Eagle3Proposer):

@@ -10,7 +10,7 @@ between steps (it computes no K/V), so there is nothing to catch up on or roll b
 draft simply was never in the target's pool.
 
 All drafting requests run together, one assistant forward per draft over those still drafting;
-drafts are picked as EAGLE-3's are (`Eagle3Proposer._pick`: greedy, sampled after the request's
+drafts are picked as EAGLE-3's are (`eagle3.pick_drafts`: greedy, sampled after the request's
 own sampling parameters, seeded with the noise of the position they fill, grammar-masked).
 """
 
@@ -24,12 +24,12 @@ import torch
 from engine.model import device as devices
 from engine.model.attention import AttentionMetadata, RequestSpan
 from engine.model.decoder import KVCache
-from engine.model.device import TimingMark, elapsed_seconds, start_timing, stop_timing
+from engine.model.device import TimingMark, drain_timings, start_timing, stop_timing
 from engine.model.gemma4_assistant import Gemma4Assistant, KVSources
 from engine.model.runner import ModelRunner
 from engine.sequence import ScheduledSeq, Sequence
 from engine.spec_decode.proposers.base import Proposal, picked_proposal, still_drafting
-from engine.spec_decode.proposers.eagle3 import Eagle3Proposer
+from engine.spec_decode.proposers.eagle3 import pick_drafts
 
 
 class Gemma4AssistantProposer:
@@ -59,12 +59,15 @@ class Gemma4AssistantProposer:
                 positions = [s.num_computed_tokens for s in seqs]
                 tables = [s.block_table for s in seqs]
                 logits, state = self._run(positions, tables, tokens, state)
-                drafted = Eagle3Proposer._pick(batch, rows, logits, drafts, probs)
+                drafted = pick_drafts(batch, rows, logits, drafts, probs)
                 step += 1
                 keep = still_drafting(batch, rows, drafted, step, self.name)
                 rows, state = [rows[r] for r in keep], state[keep]
                 tokens = [drafts[i][-1] for i in rows]
-        return [self._proposal(item, drafts.get(i), probs.get(i)) for i, item in enumerate(batch)]
+        return [
+            picked_proposal(item, drafts.get(i), probs.get(i), self.name)
+            for i, item in enumerate(batch)
+        ]
 
     def _drafts(self, item: ScheduledSeq) -> bool:
         """Only a step that computes just the last token drafts: the target's state at P - 1
@@ -95,7 +98,7 @@ class Gemma4AssistantProposer:
         device = self.assistant.device
         started = start_timing(device) if self.timings is not None else None
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        inputs = torch.cat([self.target.model._embed(ids), state.to(device)], dim=-1)
+        inputs = torch.cat([self.target.model.embed(ids), state.to(device)], dim=-1)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         out = self.assistant(inputs, pos, self._kv(), self._metadata(positions, tables))
         if self.timings is not None and started is not None:
@@ -114,17 +117,9 @@ class Gemma4AssistantProposer:
     def _kv(self) -> dict[str, KVCache]:
         return {kind: self.target.kv_caches[j] for kind, j in self.sources.by_type.items()}
 
-    def _proposal(
-        self, item: ScheduledSeq, drafted: list[int] | None, probs: list[torch.Tensor] | None
-    ) -> Proposal:
-        return picked_proposal(item, drafted, probs, self.name)
-
     def take_timings(self) -> list[tuple[int, float]]:
         """(rows, seconds) of each timed assistant forward since the last call."""
-        taken = self.timings or []
-        if self.timings is not None:
-            self.timings = []
-        return [(rows, elapsed_seconds(start, stop)) for rows, start, stop in taken]
+        return drain_timings(self.timings)
 
     def calibrate(self, rows: list[int], rounds: int = 3) -> list[tuple[int, float]]:
         """(rows, seconds) of an assistant forward at each row count, the median of `rounds`

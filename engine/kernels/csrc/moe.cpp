@@ -216,8 +216,6 @@ class MoeExperts : public torch::CustomClassHolder {
     return moe::forward(experts_, x, ids, weights);
   }
 
-  const Experts& experts() const { return experts_; }
-
  private:
   Experts experts_;
 };

@@ -30,6 +30,8 @@ from torch import nn
 
 from engine.model.runner import ForwardInput, ModelRunner
 
+UNKNOWN = -1  # a position whose greedy pick was not computed (a prompt's, in captured answers)
+
 MAX_FILE_BYTES = 64_000  # bigger files are mostly data tables, not code anyone writes by hand
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,7 +142,17 @@ class Features:
 
     tokens: torch.Tensor  # [N, T] long: the text
     aux: torch.Tensor  # [N, T, 3 * target_hidden]: streams entering the aux layers, in order
-    greedy: torch.Tensor  # [N, T] long: the target's argmax after each position's prefix
+    greedy: (
+        torch.Tensor
+    )  # [N, T] long: the target's argmax after each position's prefix, or UNKNOWN
+
+    def __add__(self, other: Features) -> Features:
+        return Features(
+            *(torch.cat([a, b]) for a, b in zip(self.fields(), other.fields(), strict=True))
+        )
+
+    def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.tokens, self.aux, self.greedy
 
 
 def _stream_hooks(
@@ -224,7 +236,71 @@ def draft_vocabulary(
     stop_ids: list[int],
 ) -> torch.Tensor:  # [draft_vocab] long, ascending target ids
     """The `size` ids the target picks most often, the stop ids always among them."""
-    counts = torch.bincount(greedy.flatten(), minlength=vocab_size).float()
+    counts = torch.bincount(greedy[greedy != UNKNOWN], minlength=vocab_size).float()
     counts[torch.tensor(stop_ids, dtype=torch.long)] = float("inf")
     size = min(size, vocab_size)
     return counts.topk(size).indices.sort().values
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation's prompt ids after the target's chat template, ready for its answer."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def captured_answers(
+    engine: Any,  # engine.core.llm_engine.LLMEngine keeping the head's aux layers (an EAGLE-3 one)
+    prompts: list[list[int]],  # token ids, a chat template applied
+    max_tokens: int,
+    seq_len: int,
+    log_every_s: float = 30.0,
+) -> Features:  # the requests packed in order into [N, seq_len] chunks, the tail dropped
+    """The target's greedy answers together with its features as it computed them while
+    answering: a finished request's aux hidden states are read from the pool before its blocks
+    go back, so no second forward runs over the answers. The pick after an answer position is
+    the answer's next token; the prompt's positions are UNKNOWN (the head drafts answers)."""
+    from engine.sample.sampling_params import SamplingParams
+
+    runner, scheduler = engine.target, engine.scheduler
+    kept: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    finish = scheduler.finish
+
+    def finish_keeping(seq: Any, reason: str, stop_reason: int | str | None = None) -> None:
+        n = seq.num_computed_tokens  # positions with features; the pick after n - 1 is known
+        tokens = torch.tensor(seq.token_ids[: n + 1])
+        start = seq.num_prompt_tokens  # the answer's first token: the pick after the prompt
+        greedy = torch.cat([torch.full((start - 1,), UNKNOWN), tokens[start:]])  # [n]
+        aux = runner.aux_hidden(seq.block_table, 0, n).to(torch.bfloat16)  # [n, 3 * hidden]
+        kept[seq.request_id] = tokens[:n], aux, greedy
+        finish(seq, reason, stop_reason)
+
+    scheduler.finish = finish_keeping
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"chat-{i}", ids, params)
+    started = last = time.monotonic()
+    try:
+        while engine.has_unfinished():
+            engine.step()
+            if time.monotonic() - last > log_every_s:
+                answered = sum(len(t) for t, _, _ in kept.values())
+                rate = answered / (time.monotonic() - started)
+                print(
+                    f"answers: {len(kept)}/{len(prompts)} requests, {answered} "
+                    f"tokens ({rate:.0f} tokens/s)",
+                    flush=True,
+                )
+                last = time.monotonic()
+    finally:
+        scheduler.finish = finish
+    streams = [kept[f"chat-{i}"] for i in range(len(prompts))]
+    tokens, aux, greedy = (torch.cat(parts) for parts in zip(*streams, strict=True))
+    num = tokens.numel() // seq_len
+    if num == 0:
+        raise ValueError(f"only {tokens.numel()} tokens answered, fewer than one chunk")
+    cut = num * seq_len
+    return Features(
+        tokens[:cut].view(num, seq_len),
+        aux[:cut].view(num, seq_len, -1),
+        greedy[:cut].view(num, seq_len),
+    )

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from engine.model.bundled import sha256_file
 from engine.model.decoder import RMSNorm
 from engine.model.eagle3 import Eagle3Config, Eagle3Head, quantized_int8
@@ -40,7 +41,10 @@ from engine.model.loader import LoadedModel, load_model
 from engine.model.rope import Rotary, apply_rope
 from engine.model.runner import ModelRunner
 from tools.eagle3_data import (
+    UNKNOWN,
     Features,
+    captured_answers,
+    chat_ids,
     default_sources,
     draft_vocabulary,
     native_features,
@@ -49,6 +53,7 @@ from tools.eagle3_data import (
     token_chunks,
     training_prompts,
 )
+from tools.eagle3_prompts import chat_prompts
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of the j-th unrolled step: later drafts matter less
 IGNORE = -100
@@ -76,6 +81,9 @@ class Recipe:
     answers: int = 0  # training prompts the target answers first (tools/eagle3_data.py)
     answer_tokens: int = 192  # the longest answer
     answer_config: str = ""  # the engine that answers (a settings file); "": the target, plain
+    chat_prompts: int = 0  # chat requests (tools/eagle3_prompts.py) answered, features captured
+    chat_tokens: int = 256  # the longest chat answer
+    answer_batch: int = 16  # requests answered at once
     init_from_target: bool = True  # lm_head rows and final norm start as the target's
     head_lr_scale: float = 0.1  # the lm_head's relative learning rate where init_from_target
     cache: str = ""  # a file for the extracted features: read if there, else written
@@ -236,10 +244,11 @@ def ttt_loss(
 
 
 def draft_labels(greedy: torch.Tensor, draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Target ids to draft ids, IGNORE where the draft vocabulary lacks the id."""
+    """Target ids to draft ids, IGNORE where the draft vocabulary lacks the id or the pick is
+    UNKNOWN."""
     to_draft = torch.full((vocab,), IGNORE, dtype=torch.long)
     to_draft[draft_ids] = torch.arange(draft_ids.numel())
-    return to_draft[greedy]
+    return to_draft[greedy.clamp(min=0)].masked_fill(greedy == UNKNOWN, IGNORE)
 
 
 EVAL_CHUNKS = 64  # the loss before and after training is over at most the first 64 chunks
@@ -321,8 +330,31 @@ def save_head(head: Eagle3Head, folder: Path, draft_ids: torch.Tensor, dtype: st
 
 
 def features(recipe: Recipe, loaded: LoadedModel, layer_ids: tuple[int, ...]) -> Features:
-    """The target's answers, then text, as chunks, through the engine's forward; cached."""
+    """The target's answers, then text, as chunks, through the engine's forward, then the chat
+    answers with the features captured as they were answered; each part cached."""
     cache = Path(recipe.cache) if recipe.cache else None
+    data = text_features(recipe, loaded, layer_ids, cache)
+    if not recipe.chat_prompts:
+        return data
+    kept = cache.with_suffix(".chat.pt") if cache is not None else None
+    if kept is not None and kept.exists():
+        print(f"chat features from {kept}", flush=True)
+        return data + Features(**torch.load(kept))
+    engine = answering_engine(recipe, layer_ids)
+    prompts = [
+        chat_ids(engine.tokenizer, c) for c in chat_prompts(recipe.chat_prompts, recipe.seed)
+    ]
+    chat = captured_answers(engine, prompts, recipe.chat_tokens, recipe.seq_len)
+    if kept is not None:
+        torch.save(asdict(chat), kept)
+    return data + chat
+
+
+def text_features(
+    recipe: Recipe, loaded: LoadedModel, layer_ids: tuple[int, ...], cache: Path | None
+) -> Features:
+    """The target's answers to the bench's training prompts, then offline text: one prefill a
+    chunk on the engine's forward."""
     if cache is not None and cache.exists():
         print(f"features from {cache}", flush=True)
         return Features(**torch.load(cache))
@@ -360,7 +392,19 @@ def answered(recipe: Recipe, cache: Path | None) -> list[list[int]]:
     if kept is not None and kept.exists():
         print(f"answers from {kept}", flush=True)
         return list(json.loads(kept.read_text()))
-    from engine.core.llm_engine import LLMEngine
+    prompts = training_prompts(recipe.answers, recipe.seed)
+    answers = target_answers(
+        answering_engine(recipe), prompts, recipe.answer_tokens, recipe.answer_batch
+    )
+    if kept is not None:
+        kept.write_text(json.dumps(answers))
+    return answers
+
+
+def answering_engine(recipe: Recipe, aux_layers: tuple[int, ...] = ()) -> LLMEngine:
+    """The engine that answers (`answer_config`, or the target plain), `answer_batch` requests
+    at once; where features are captured, one that keeps exactly these aux layers (an EAGLE-3
+    config of the same layers: its head drafts, and greedy answers equal plain ones)."""
     from server.settings import Settings
 
     config = (
@@ -368,11 +412,14 @@ def answered(recipe: Recipe, cache: Path | None) -> list[list[int]]:
         if recipe.answer_config
         else EngineConfig(model=recipe.target, dtype=recipe.dtype)  # type: ignore[arg-type]
     )
-    prompts = training_prompts(recipe.answers, recipe.seed)
-    answers = target_answers(LLMEngine(config), prompts, recipe.answer_tokens)
-    if kept is not None:
-        kept.write_text(json.dumps(answers))
-    return answers
+    engine = LLMEngine(replace(config, max_num_seqs=recipe.answer_batch))
+    kept = engine.target.model.aux_layers
+    if aux_layers and tuple(kept) != aux_layers:
+        raise ValueError(
+            f"--answer-config keeps aux layers {tuple(kept)}, not {aux_layers}: features are "
+            "captured from an EAGLE-3 config whose head reads the same layers"
+        )
+    return engine
 
 
 def run(recipe: Recipe) -> tuple[Eagle3Head, Result]:
@@ -393,9 +440,10 @@ def run(recipe: Recipe) -> tuple[Eagle3Head, Result]:
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     head = new_head(Eagle3Config.read(folder), outputs, draft_ids, recipe)
     labels = draft_labels(data.greedy, draft_ids, target["vocab_size"])
+    known = data.greedy != UNKNOWN
     print(
-        f"draft vocabulary {draft_ids.numel()} covers {(labels != IGNORE).float().mean():.1%} "
-        f"of the target's picks",
+        f"draft vocabulary {draft_ids.numel()} covers "
+        f"{(labels[known] != IGNORE).float().mean():.1%} of the target's {int(known.sum())} picks",
         flush=True,
     )
     result = train(head, data, labels, recipe)

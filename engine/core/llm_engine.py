@@ -82,10 +82,12 @@ class LLMEngine:
         self.draft: ModelRunner | None = None
         spec = config.speculative
         self.costs = StepCosts()
-        self.planner = (
-            SpecPlanner(spec.proposers, self.costs) if spec.enabled and spec.adaptive else None
-        )
         self.proposer: Proposer = ForcedDraftProposer(self._build_proposer())
+        self.planner = (
+            SpecPlanner(spec.proposers, self.costs, self._tree_width)
+            if spec.enabled and spec.adaptive
+            else None
+        )
         num_blocks = self._num_kv_blocks()
         # a hybrid resumes a cached prefix only where its linear layers' state was snapshotted
         snapshots = config.num_state_snapshots if config.enable_prefix_caching else 0
@@ -414,6 +416,7 @@ class LLMEngine:
             compile_decode=spec.draft_compile,
         )
         draft = DraftModelProposer(self.draft, spec.draft_p_min, spec.tree_width)
+        self._tree_width = draft.tree_width  # a windowed draft grows chains
         return draft if self._ngram is None else HybridProposer(self._ngram, draft)
 
     def _eagle3_proposer(self) -> Eagle3Proposer:
@@ -449,6 +452,7 @@ class LLMEngine:
             raise ValueError(f"--speculative-method mtp: {self.config.model} has no MTP layers")
         head = load_mtp_head(model, self.target.loaded.iter_weights())
         self.target.keep_aux_hidden((model.shape.num_layers,))
+        self._tree_width = 1  # MTP and the Gemma 4 assistant draft chains
         self._eagle3 = MtpProposer(head, self.target)
         return self._eagle3
 
@@ -462,6 +466,7 @@ class LLMEngine:
         assistant = load_gemma4_assistant(path, target.hf_config, target.device, target.dtype)
         target.keep_aux_hidden((target.model.shape.num_layers,))
         self._eagle3 = Gemma4AssistantProposer(assistant, target)
+        self._tree_width = 1
         return self._eagle3
 
     def _verifies_trees(self) -> bool:

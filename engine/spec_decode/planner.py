@@ -72,6 +72,9 @@ class DraftOption:
     proposer: str
     gains: list[float]  # gains[j]: expected tokens added by draft j + 1
     draft_rows: int = 0  # draft model: rows of its first forward for this request; 0 = no forward
+    level_rows: int = (
+        1  # rows of each later draft forward: a tree's width where the draft grows trees
+    )
     probe: bool = False  # gains are the prior's: the request is being re-probed
 
 
@@ -116,7 +119,7 @@ def plan_step(
                 if j == 0:
                     first_rows += option.draft_rows
                 else:
-                    deeper[j] += 1
+                    deeper[j] += option.level_rows
             seconds = _seconds(costs, rows, first_rows, deeper)
             score = tokens / seconds
             if score > best_score and seconds <= limit:
@@ -180,9 +183,11 @@ class SpecPlanner:
     """Turns each scheduled request's draft ceilings into this step's drafts (`plan`), and keeps the
     acceptance records the plans are made from (`observe`)."""
 
-    def __init__(self, proposers: tuple[str, ...], costs: StepCosts) -> None:
+    def __init__(self, proposers: tuple[str, ...], costs: StepCosts, tree_width: int = 1) -> None:
         self.proposers = proposers
         self.costs = costs
+        # the draft model's or head's trees: each level after the first runs this many rows a request
+        self.tree_width = tree_width
         self.priors = {name: AcceptanceEstimate() for name in proposers}
         self.verified = dict.fromkeys(proposers, 0)  # draft steps verified so far, per proposer
         self.lengths = OutputLengths()
@@ -292,7 +297,7 @@ class SpecPlanner:
             return None
         gains, probe = draft
         rows = lag if lag <= FREE_CATCH_UP else FED_BACK  # a long catch-up is priced above instead
-        return DraftOption(index, "draft", gains, max(1, rows), probe)
+        return DraftOption(index, "draft", gains, max(1, rows), probe, self.tree_width)
 
     def _head_option(
         self,
@@ -315,7 +320,9 @@ class SpecPlanner:
             own is None or self._ngram_pays_more(ngram[0], own[0], base_rows, batch_size)
         ):
             return DraftOption(index, "ngram", *ngram)
-        return None if own is None else DraftOption(index, head, own[0], FED_BACK, own[1])
+        if own is None:
+            return None
+        return DraftOption(index, head, own[0], FED_BACK, own[1], self.tree_width)
 
     def _ngram_pays_more(
         self, ngram: list[float], draft: list[float], base_rows: int, batch_size: int
@@ -329,9 +336,11 @@ class SpecPlanner:
 
     def _draft_seconds(self, k: int) -> float:
         """The draft model's forwards for k drafts of one request: the first carries the tokens fed
-        back from the last step."""
-        draft = self.costs.draft
-        return draft.seconds(FED_BACK) + (k - 1) * draft.seconds(1) + k * self.costs.draft_overhead
+        back from the last step, each later one a tree level's width."""
+        draft, width = self.costs.draft, self.tree_width
+        return (
+            draft.seconds(FED_BACK) + (k - 1) * draft.seconds(width) + k * self.costs.draft_overhead
+        )
 
     def _gains(self, state: RequestSpecState, name: str, k: int) -> tuple[list[float], bool]:
         """This request's gains for k drafts from one proposer, or the prior's when a probe is due."""

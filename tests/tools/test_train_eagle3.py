@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 from engine.config import SpeculativeConfig
 from engine.model.eagle3 import Eagle3Head, HeadSpan, load_eagle3_head
-from tools.eagle3_data import extract_features
+from engine.sample.sampling_params import SamplingParams
+from tools.eagle3_data import UNKNOWN, captured_answers, extract_features
 from tools.train_eagle3 import Recipe, Result, head_config, head_step, run, save_head
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -187,3 +188,33 @@ def test_answers_are_the_targets_greedy_text_and_kept_for_a_rerun(
         assert answer[len(ids) :] == outputs(engine, [ids], greedy(5))[0]
     monkeypatch.setattr(train, "target_answers", None)  # a rerun must not generate again
     assert train.answered(r, cache) == answers
+
+
+def test_captured_answers_are_the_teacher_forced_features(
+    trained: tuple[Path, Eagle3Head, Result], tiny_model_dir: Path
+) -> None:
+    """What `captured_answers` keeps while an EAGLE-3 engine answers: the requests' tokens packed
+    in order; the pick after each answer position is the answer's next token (the prompt's are
+    UNKNOWN); the aux streams equal a teacher-forced forward over the request's own tokens."""
+    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=3, draft_model=str(trained[0]))
+    engine = make_engine(tiny_model_dir, speculative=spec)
+    model = hf_model(tiny_model_dir)
+    prompts = random_prompts(3, (5, 12), model.config.vocab_size, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    answers = outputs(make_engine(tiny_model_dir), prompts, params)
+    data = captured_answers(engine, prompts, max_tokens=20, seq_len=8)
+    streams = [(p + a)[:-1] for p, a in zip(prompts, answers, strict=True)]  # computed positions
+    picks = [[UNKNOWN] * (len(p) - 1) + a for p, a in zip(prompts, answers, strict=True)]
+    cut = data.tokens.numel()
+    assert cut == sum(map(len, streams)) // 8 * 8
+    assert data.tokens.flatten().tolist() == [t for s in streams for t in s][:cut]
+    assert data.greedy.flatten().tolist() == [t for p in picks for t in p][:cut]
+    first = torch.tensor(streams[0])[None]  # [1, n]
+    reference = extract_features(model, first, (0, 1, 2), batch=1)
+    assert reference.greedy[0, len(prompts[0]) - 1 :].tolist() == answers[0]
+    torch.testing.assert_close(
+        data.aux.flatten(0, 1)[: first.shape[1]].float(),
+        reference.aux[0].float(),
+        rtol=2e-2,
+        atol=2e-2,  # both kept in bfloat16
+    )

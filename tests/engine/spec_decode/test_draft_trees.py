@@ -4,6 +4,7 @@ draft's K/V below its frontier is always its own request's tokens'."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -241,3 +242,16 @@ def test_json_schema_under_draft_trees(
     assert all(s.finish_reason == "stop" for s in seqs) and spy.trees
     for seq in seqs:
         jsonschema.validate(json.loads(engine.tokenizer.decode(seq.output_token_ids)), SCHEMA)
+
+
+def test_the_planner_prices_the_drafts_tree_width(
+    tiny_model_dir: Path, tiny_draft_dir: Path
+) -> None:
+    """An adaptive engine's planner runs `width` draft rows a request per tree level (chains: 1)."""
+    spec = SpeculativeConfig(
+        method="draft", num_speculative_tokens=4, draft_model=str(tiny_draft_dir), tree_width=3
+    )
+    engine = make_engine(tiny_model_dir, speculative=spec)
+    assert engine.planner is not None and engine.planner.tree_width == 3
+    chains = make_engine(tiny_model_dir, speculative=dataclasses.replace(spec, tree_width=1))
+    assert chains.planner is not None and chains.planner.tree_width == 1

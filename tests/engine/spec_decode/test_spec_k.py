@@ -84,6 +84,15 @@ def test_a_draft_model_drafts_only_where_its_forwards_pay() -> None:
     assert plan_step([poor], 1, 1, costs(draft_per_row=0.1)) == {}
 
 
+def test_a_tree_prices_each_later_draft_forward_at_its_width() -> None:
+    """A tree of width 4 runs four draft rows a level after the first: where a chain's depth
+    pays, the tree stops at its first level."""
+    chain = DraftOption(0, "draft", [0.9, 0.8, 0.7], draft_rows=2)
+    tree = DraftOption(0, "draft", [0.9, 0.8, 0.7], draft_rows=2, level_rows=4)
+    assert plan_step([chain], 1, 1, costs(draft_per_row=0.3)) == {0: 3}
+    assert plan_step([tree], 1, 1, costs(draft_per_row=0.3)) == {0: 1}
+
+
 def test_cheap_matches_are_weighed_without_the_draft_models_forwards() -> None:
     options = [ngram(0, 0.6, 0.4), DraftOption(1, "draft", [0.7], draft_rows=2)]
     assert plan_step(options, 2, 2, costs(draft_per_row=1.0)) == {0: 2}

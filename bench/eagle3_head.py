@@ -7,8 +7,9 @@ Two engines on the same target (the launch config's models, quantization and thr
 config's (its speculation, e.g. the 0.5B draft with n-gram lookups) and the same config with
 `speculative_method: hybrid-eagle3` and the head. Modes, in an order that reverses every round:
 `plain` (no drafts), `config` (the config's speculation, adaptive), `hybrid-eagle3` (an n-gram
-match where the planner prices it higher, else the head), `eagle3` (the head alone, adaptive)
-and `eagle3 k=K` (the head alone drafting K every step, no planner: its raw acceptance). Prompts are the
+match where the planner prices it higher, else the head), `eagle3` (the head alone, adaptive),
+`eagle3 k=K` (the head alone drafting K every step, no planner: its raw acceptance) and, for each
+`--tree-widths` W, `hybrid-eagle3 tree w=W` (the head's EAGLE-2 trees of width W). Prompts are the
 bench's held-out ones (`load_category(..., seed 0)`, never trained on: tools/eagle3_data.py) and
 each is put in both engines' prefix caches first. Greedy, so every mode must emit plain's tokens;
 the report says whether they did.
@@ -45,6 +46,7 @@ class Mode:
     engine: LLMEngine
     k: int | None  # None: the config's k ceiling, the planner on; else fixed k, no planner
     head_alone: bool = False  # the hybrid-eagle3 engine's head without its n-gram proposer
+    tree_width: int = 1  # the head's draft trees (EAGLE-2) where > 1, priced so by the planner
 
 
 @dataclass
@@ -81,6 +83,7 @@ def run(mode: Mode, prompts: list[list[int]], max_tokens: int) -> tuple[list[Seq
     if mode.head_alone:
         assert engine._eagle3 is not None
         engine.proposer, engine._ngram = ForcedDraftProposer(engine._eagle3), None
+    _set_tree_width(engine, mode.tree_width)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=mode.k)
     seqs, started = [], time.perf_counter()
     try:
@@ -89,7 +92,16 @@ def run(mode: Mode, prompts: list[list[int]], max_tokens: int) -> tuple[list[Seq
     finally:
         engine.planner, engine.proposer, engine._ngram = saved
         engine.scheduler.planner = engine.planner
+        _set_tree_width(engine, 1)
     return seqs, time.perf_counter() - started
+
+
+def _set_tree_width(engine: LLMEngine, width: int) -> None:
+    """The head's trees and the planner's price of them, as `speculative_tree_width` sets both."""
+    if engine._eagle3 is not None:
+        engine._eagle3.tree_width = width
+    if engine.planner is not None:
+        engine.planner.tree_width = width
 
 
 def step_ms(engine: LLMEngine, rounds: int = 5) -> tuple[float, float]:
@@ -109,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--fixed-k", type=int, default=4, help="the head's fixed-k mode (0: none)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tree-widths", type=csv_list, default=[], help="hybrid-eagle3 tree modes")
     args = ap.parse_args(argv)
 
     from server.settings import Settings
@@ -133,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         Mode("hybrid-eagle3", eagle, None),
         Mode("eagle3", eagle, None, head_alone=True),
         *([Mode(f"eagle3 k={args.fixed_k}", eagle, args.fixed_k, True)] if args.fixed_k else []),
+        *(
+            Mode(f"hybrid-eagle3 tree w={w}", eagle, None, tree_width=int(w))
+            for w in args.tree_widths
+        ),
     ]
     for category in csv_list(args.categories):
         prompts = [token_ids(ours, p) for p in load_category(category, args.num_prompts, {})]

@@ -21,7 +21,6 @@ FILE with the suffix .answers.json) for a rerun.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import asdict, dataclass, replace
@@ -54,40 +53,10 @@ from tools.eagle3_data import (
     training_prompts,
 )
 from tools.eagle3_prompts import chat_prompts
+from tools.eagle3_recipe import Recipe, parse
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of the j-th unrolled step: later drafts matter less
 IGNORE = -100
-
-
-@dataclass(frozen=True)
-class Recipe:
-    target: str
-    out: str
-    seed: int = 0
-    sources: tuple[str, ...] = ()  # files or folders of text; () the default (code and docs)
-    tokens: int = 20_000
-    per_file: int = 2048
-    seq_len: int = 512
-    batch: int = 4
-    steps: int = 1000  # optimizer steps at most
-    max_minutes: float = 15.0
-    lr: float = 1e-3
-    ttt_steps: int = 3
-    draft_vocab: int = 8192
-    intermediate_size: int = 0  # 0: the target's
-    aux_layers: tuple[int, ...] = ()  # (): vLLM's default (2, L // 2, L - 3)
-    log_every: int = 10
-    save_dtype: str = "bfloat16"  # or float32, or int8 (rows with a scale, ~half of bfloat16)
-    answers: int = 0  # training prompts the target answers first (tools/eagle3_data.py)
-    answer_tokens: int = 192  # the longest answer
-    answer_config: str = ""  # the engine that answers (a settings file); "": the target, plain
-    chat_prompts: int = 0  # chat requests (tools/eagle3_prompts.py) answered, features captured
-    chat_tokens: int = 256  # the longest chat answer
-    answer_batch: int = 16  # requests answered at once
-    init_from_target: bool = True  # lm_head rows and final norm start as the target's
-    head_lr_scale: float = 0.1  # the lm_head's relative learning rate where init_from_target
-    cache: str = ""  # a file for the extracted features: read if there, else written
-    dtype: str = "bfloat16"  # the target's activations while features are extracted
 
 
 @dataclass(frozen=True)
@@ -270,6 +239,17 @@ def evaluate(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Rec
     return sum(losses) / len(losses)
 
 
+WARM_UP = 20  # optimizer steps of linear warm-up
+
+
+def lr_factor(step: int, recipe: Recipe) -> float:
+    """The learning rate's factor at an optimizer step: a linear warm-up, then constant or (the
+    `linear` schedule) falling linearly to zero at `steps`; set by steps, not time, so a seed
+    gives the same head wherever the step budget binds."""
+    warm = min(1.0, (step + 1) / WARM_UP)
+    return warm * (max(0.0, 1.0 - step / recipe.steps) if recipe.schedule == "linear" else 1.0)
+
+
 def train(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Recipe) -> Result:
     """AdamW over seeded batches of chunks until `steps` or the time budget, bf16 autocast."""
     params = [p for p in head.parameters() if p.requires_grad]
@@ -280,7 +260,7 @@ def train(head: Eagle3Head, data: Features, labels: torch.Tensor, recipe: Recipe
         {"params": [lm_head], "lr": recipe.lr * scale},
     ]
     opt = torch.optim.AdamW(groups, lr=recipe.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))  # warm-up
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, recipe))
     gen = torch.Generator().manual_seed(recipe.seed)
     first, losses, start = evaluate(head, data, labels, recipe), [], time.monotonic()
     num = data.tokens.shape[0]
@@ -467,23 +447,5 @@ def _as_list(ids: int | list[int] | None) -> list[int]:
     return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
 
-def parse(argv: list[str] | None = None) -> Recipe:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True, help="a folder, a .gguf or bundled:NAME")
-    p.add_argument("--out", required=True, help="the head's folder")
-    p.add_argument("--sources", nargs="*", default=[], help="text files or folders")
-    p.add_argument("--aux-layers", type=int, nargs=3, default=[])
-    defaults = Recipe("", "")
-    for name, value in asdict(defaults).items():
-        if isinstance(value, bool):
-            flag = f"--{name.replace('_', '-')}"
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-        elif isinstance(value, int | float | str) and name not in ("target", "out"):
-            p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
-    args = vars(p.parse_args(argv))
-    args["sources"], args["aux_layers"] = tuple(args["sources"]), tuple(args["aux_layers"])
-    return Recipe(**args)
-
-
 if __name__ == "__main__":
-    run(parse())
+    run(parse(__doc__.split("\n")[0]))

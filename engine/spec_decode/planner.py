@@ -72,10 +72,8 @@ class DraftOption:
     proposer: str
     gains: list[float]  # gains[j]: expected tokens added by draft j + 1
     draft_rows: int = 0  # draft model: rows of its first forward for this request; 0 = no forward
-    level_rows: int = (
-        1  # rows of each later draft forward: a tree's width where the draft grows trees
-    )
     probe: bool = False  # gains are the prior's: the request is being re-probed
+    level_rows: int = 1  # rows of each later draft forward: a draft tree's width, a chain's 1
 
 
 def plan_step(
@@ -297,7 +295,9 @@ class SpecPlanner:
             return None
         gains, probe = draft
         rows = lag if lag <= FREE_CATCH_UP else FED_BACK  # a long catch-up is priced above instead
-        return DraftOption(index, "draft", gains, max(1, rows), probe, self.tree_width)
+        return DraftOption(
+            index, "draft", gains, max(1, rows), probe=probe, level_rows=self.tree_width
+        )
 
     def _head_option(
         self,
@@ -322,7 +322,7 @@ class SpecPlanner:
             return DraftOption(index, "ngram", *ngram)
         if own is None:
             return None
-        return DraftOption(index, head, own[0], FED_BACK, own[1], self.tree_width)
+        return DraftOption(index, head, own[0], FED_BACK, probe=own[1], level_rows=self.tree_width)
 
     def _ngram_pays_more(
         self, ngram: list[float], draft: list[float], base_rows: int, batch_size: int

@@ -21,4 +21,3 @@ def test_prompts_are_distinct_seeded_and_cycle_through_the_kinds() -> None:
 def test_asking_for_more_than_the_set_has_is_an_error() -> None:
     with pytest.raises(ValueError, match="this set has"):
         chat_prompts(10**6, seed=0)
-

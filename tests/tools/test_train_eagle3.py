@@ -22,7 +22,15 @@ from engine.config import SpeculativeConfig
 from engine.model.eagle3 import Eagle3Head, HeadSpan, load_eagle3_head
 from engine.sample.sampling_params import SamplingParams
 from tools.eagle3_data import UNKNOWN, captured_answers, extract_features
-from tools.train_eagle3 import Recipe, Result, head_config, head_step, run, save_head
+from tools.train_eagle3 import (
+    Recipe,
+    Result,
+    head_config,
+    head_step,
+    lr_factor,
+    run,
+    save_head,
+)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -218,3 +226,11 @@ def test_captured_answers_are_the_teacher_forced_features(
         rtol=2e-2,
         atol=2e-2,  # both kept in bfloat16
     )
+
+
+def test_the_learning_rate_warms_up_then_falls_to_zero_at_the_step_budget() -> None:
+    linear = recipe(Path("t"), Path("o"), steps=100)
+    constant = replace(linear, schedule="constant")
+    assert lr_factor(0, linear) == pytest.approx(1 / 20)
+    assert lr_factor(50, linear) == pytest.approx(0.5) and lr_factor(50, constant) == 1.0
+    assert lr_factor(100, linear) == 0.0 and lr_factor(99, linear) > 0.0

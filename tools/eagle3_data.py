@@ -7,6 +7,8 @@ Text of two kinds, packed into one stream of fixed-length chunks:
   This is what a head drafts at serving time: the target's text after its chat template;
 - Python sources of the installed packages (code) and the repo's docs (prose), files drawn in a
   seeded order and interleaved source by source.
+- the target's answers to a chat prompt set (tools/eagle3_prompts.py), with the features the
+  engine computed while answering (`captured_answers`): no second forward over them.
 
 Features come from the engine's own forward (`native_features`: the kernels the target serves
 on), teacher-forced: at each position the streams entering the head's three aux layers (vLLM's
@@ -142,9 +144,7 @@ class Features:
 
     tokens: torch.Tensor  # [N, T] long: the text
     aux: torch.Tensor  # [N, T, 3 * target_hidden]: streams entering the aux layers, in order
-    greedy: (
-        torch.Tensor
-    )  # [N, T] long: the target's argmax after each position's prefix, or UNKNOWN
+    greedy: torch.Tensor  # [N, T] long: the target's pick after each position, or UNKNOWN
 
     def __add__(self, other: Features) -> Features:
         return Features(
@@ -261,39 +261,53 @@ def captured_answers(
     the answer's next token; the prompt's positions are UNKNOWN (the head drafts answers)."""
     from engine.sample.sampling_params import SamplingParams
 
-    runner, scheduler = engine.target, engine.scheduler
-    kept: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    finish = scheduler.finish
-
-    def finish_keeping(seq: Any, reason: str, stop_reason: int | str | None = None) -> None:
-        n = seq.num_computed_tokens  # positions with features; the pick after n - 1 is known
-        tokens = torch.tensor(seq.token_ids[: n + 1])
-        start = seq.num_prompt_tokens  # the answer's first token: the pick after the prompt
-        greedy = torch.cat([torch.full((start - 1,), UNKNOWN), tokens[start:]])  # [n]
-        aux = runner.aux_hidden(seq.block_table, 0, n).to(torch.bfloat16)  # [n, 3 * hidden]
-        kept[seq.request_id] = tokens[:n], aux, greedy
-        finish(seq, reason, stop_reason)
-
-    scheduler.finish = finish_keeping
+    keeper = _AnswerKeeper(engine)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for i, ids in enumerate(prompts):
         engine.add_request(f"chat-{i}", ids, params)
     started = last = time.monotonic()
-    try:
+    with keeper:
         while engine.has_unfinished():
             engine.step()
             if time.monotonic() - last > log_every_s:
-                answered = sum(len(t) for t, _, _ in kept.values())
+                answered = sum(len(t) for t, _, _ in keeper.kept.values())
                 rate = answered / (time.monotonic() - started)
-                print(
-                    f"answers: {len(kept)}/{len(prompts)} requests, {answered} "
-                    f"tokens ({rate:.0f} tokens/s)",
-                    flush=True,
-                )
+                print(f"answers: {len(keeper.kept)}/{len(prompts)} requests, {answered} "
+                      f"tokens ({rate:.0f} tokens/s)", flush=True)  # fmt: skip
                 last = time.monotonic()
-    finally:
-        scheduler.finish = finish
-    streams = [kept[f"chat-{i}"] for i in range(len(prompts))]
+    return packed([keeper.kept[f"chat-{i}"] for i in range(len(prompts))], seq_len)
+
+
+class _AnswerKeeper:
+    """While entered, the scheduler's `finish` first keeps the request's computed tokens, the
+    target's picks after them and their features (the pool's, before its blocks go back)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.runner, self.scheduler = engine.target, engine.scheduler
+        self.finish = self.scheduler.finish
+        self.kept: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def __enter__(self) -> None:
+        self.scheduler.finish = self.keep
+
+    def __exit__(self, *_: object) -> None:
+        self.scheduler.finish = self.finish
+
+    def keep(self, seq: Any, reason: str, stop_reason: int | str | None = None) -> None:
+        n = seq.num_computed_tokens  # positions with features; the pick after n - 1 is known
+        tokens = torch.tensor(seq.token_ids[: n + 1])
+        start = seq.num_prompt_tokens  # the answer's first token: the pick after the prompt
+        greedy = torch.cat([torch.full((start - 1,), UNKNOWN), tokens[start:]])  # [n]
+        aux = self.runner.aux_hidden(seq.block_table, 0, n).to(torch.bfloat16)  # [n, 3 * hidden]
+        self.kept[seq.request_id] = tokens[:n], aux, greedy
+        self.finish(seq, reason, stop_reason)
+
+
+def packed(
+    streams: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],  # tokens, aux, picks each
+    seq_len: int,
+) -> Features:
+    """Requests one after another in [N, seq_len] chunks, the tail that fills no chunk dropped."""
     tokens, aux, greedy = (torch.cat(parts) for parts in zip(*streams, strict=True))
     num = tokens.numel() // seq_len
     if num == 0:

@@ -1,7 +1,10 @@
 """Train an EAGLE-3 head for a target and write it in the public format (engine/model/eagle3.py).
 
     python -m tools.train_eagle3 --target bundled:qwen2.5-coder-1.5b-instruct --out heads/qwen \
-        --answers 256 --tokens 150000 --max-minutes 40 --cache /tmp/qwen-features.pt
+        --answers 176 --chat-prompts 700 --answer-config configs/eagle3.yaml --tokens 128000 \
+        --steps 480 --cache /tmp/qwen-features.pt
+
+(the shipped head's whole recipe is in its README.json and docs/BENCHMARKS.md).
 
 The head is the module the engine serves (`Eagle3Head`), so what is trained is what loads: its
 state_dict is the format's names. Training follows EAGLE-3's training-time test in a simple form:
@@ -9,14 +12,16 @@ step 0 predicts, at each position i, the target's greedy token after t_{i+1} fro
 fused features h_i; each of `--ttt-steps` further steps feeds the head's own output back one
 position further, as drafting does, and is scored against the target's greedy token there. The
 loss is cross-entropy to that token over the draft vocabulary (positions whose token it lacks are
-skipped), step j weighted 0.8^j as EAGLE-3 does. Everything random follows `--seed`.
+skipped), step j weighted 0.8^j as EAGLE-3 does. Everything random follows `--seed`; the
+learning rate falls linearly to zero at `--steps`, so the step budget, not the clock, ends it.
 
 The head's output side starts as the target's own (`--init-from-target`): its lm_head is the
 target's rows of the draft vocabulary and its final norm the target's, so training starts from
 the target's map of hidden states to tokens instead of learning one from a few hundred thousand
 tokens. The data (tools/eagle3_data.py) is the target's own answers to training prompts first,
-then offline code and docs; `--cache FILE` keeps the extracted features (and the answers, in
-FILE with the suffix .answers.json) for a rerun.
+then offline code and docs, then its answers to `--chat-prompts` chat requests with the features
+kept as they were answered; `--cache FILE` keeps the extracted features (the answers in FILE with
+the suffix .answers.json, the chat part with .chat.pt) for a rerun.
 """
 
 from __future__ import annotations

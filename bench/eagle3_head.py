@@ -16,7 +16,8 @@ the report says whether they did.
 
 Reports per category each mode's output tokens per second (median over rounds) and its ratio to
 plain, tokens per verify pass, the head's acceptance by draft position (of the fixed-k mode), and
-the head's and the target's one-row forward times (the cost ratio that decides break-even).
+the head's and the target's one-row forward times (the cost ratio that decides break-even), and
+the head's forward over `--catch-up-rows` rows (its first draft after a prompt of that length).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fixed-k", type=int, default=4, help="the head's fixed-k mode (0: none)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tree-widths", type=csv_list, default=[], help="hybrid-eagle3 tree modes")
+    ap.add_argument("--catch-up-rows", type=csv_list, default=[], help="head forwards to time")
     args = ap.parse_args(argv)
 
     from server.settings import Settings
@@ -140,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     target_ms, head_ms = step_ms(eagle)
     print(f"one-row forward: target {target_ms:.1f} ms, head {head_ms:.2f} ms "
           f"({head_ms / target_ms:.3f} of a target step)", flush=True)  # fmt: skip
+    assert eagle._eagle3 is not None
+    for rows, seconds in eagle._eagle3.calibrate([int(r) for r in args.catch_up_rows], 3):
+        print(f"head catch-up of {rows} rows: {seconds * 1000:.1f} ms "
+              f"({seconds * 1000 / target_ms:.1f} target steps)", flush=True)  # fmt: skip
     modes = [
         Mode("plain", ours, 0),
         Mode("config", ours, None),

@@ -84,7 +84,7 @@ class LLMEngine:
         self.costs = StepCosts()
         self.proposer: Proposer = ForcedDraftProposer(self._build_proposer())
         self.planner = (
-            SpecPlanner(spec.proposers, self.costs, self._tree_width, self._head_lag)
+            SpecPlanner(spec.proposers, self.costs, self._tree_width)
             if spec.enabled and spec.adaptive
             else None
         )
@@ -221,10 +221,6 @@ class LLMEngine:
         if self.draft is not None:
             return self.draft.take_timings()
         return self._eagle3.take_timings() if self._eagle3 is not None else []
-
-    def _head_lag(self, seq: Sequence) -> int:
-        """Positions the target computed that the feature head has not caught up on."""
-        return self._eagle3.lag(seq) if self._eagle3 is not None else 0
 
     def _ngram_drafts(self, item: ScheduledSeq) -> int:
         """How many drafts an n-gram lookup finds for the request now (0 without an n-gram proposer)."""

@@ -181,17 +181,9 @@ class SpecPlanner:
     """Turns each scheduled request's draft ceilings into this step's drafts (`plan`), and keeps the
     acceptance records the plans are made from (`observe`)."""
 
-    def __init__(
-        self,
-        proposers: tuple[str, ...],
-        costs: StepCosts,
-        tree_width: int = 1,
-        head_lag: Callable[[Sequence], int] = lambda _: 0,
-    ) -> None:
+    def __init__(self, proposers: tuple[str, ...], costs: StepCosts, tree_width: int = 1) -> None:
         self.proposers = proposers
         self.costs = costs
-        # a feature head's catch-up: the positions the target computed that the head has not seen
-        self.head_lag = head_lag
         # the draft model's or head's trees: each level after the first runs this many rows a request
         self.tree_width = tree_width
         self.priors = {name: AcceptanceEstimate() for name in proposers}
@@ -278,9 +270,7 @@ class SpecPlanner:
         ngram = self._gains(state, "ngram", matched) if matched else None
         head = next((h for h in FEATURE_HEADS if item.k_for(h)), None)
         if head is not None:
-            return self._head_option(
-                index, item, state, head, ngram, base_rows, batch_size, prefilling
-            )
+            return self._head_option(index, item, state, head, ngram, base_rows, batch_size)
         draft = self._gains(state, "draft", item.k_for("draft")) if item.k_for("draft") else None
         lag = seq.num_tokens - seq.num_draft_computed_tokens
         remaining = self.lengths.remaining(seq.num_output_tokens, seq.params.max_tokens)
@@ -318,23 +308,14 @@ class SpecPlanner:
         ngram: tuple[list[float], bool] | None,  # the request's n-gram match's gains, if any
         base_rows: int,
         batch_size: int,
-        prefilling: bool,
     ) -> DraftOption | None:
         """An EAGLE-3 or MTP head, priced on the draft's curve; its catch-up (what the target
-        computed since it last ran: after a prompt, the whole prompt) rides in its first forward,
-        and beyond FREE_CATCH_UP rows only where the rest of the request pays for it, as a draft
-        model's. It drafts only in a step that computes just the last token: the features of the
-        others do not exist yet. An n-gram match (hybrid-eagle3) is taken instead where it gives
-        the step more tokens per second."""
+        accepted since) rides in its first forward. It drafts only in a step that computes just
+        the last token: the features of the others do not exist yet. An n-gram match
+        (hybrid-eagle3) is taken instead where it gives the step more tokens per second."""
         own = None
         if item.num_new_tokens == 1:
             own = self._gains(state, head, item.k_for(head))
-            lag, seq = self.head_lag(item.seq), item.seq
-            remaining = self.lengths.remaining(seq.num_output_tokens, seq.params.max_tokens)
-            if lag > FREE_CATCH_UP and (
-                prefilling or not self._catch_up_pays(own[0], lag, remaining, base_rows, batch_size)
-            ):
-                own = None
         if ngram and (
             own is None or self._ngram_pays_more(ngram[0], own[0], base_rows, batch_size)
         ):

@@ -148,11 +148,6 @@ class Eagle3Proposer:
             and item.seq.num_computed_tokens > 0
         )
 
-    def lag(self, seq: Sequence) -> int:
-        """Positions the target computed that the head has not seen: its next catch-up's rows."""
-        state = self._states.get(seq)
-        return seq.num_computed_tokens - (state.frontier if state is not None else 0)
-
     def _state(self, seq: Sequence) -> _HeadState:
         state = self._states.get(seq)
         if state is None:

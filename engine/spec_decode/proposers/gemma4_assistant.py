@@ -43,10 +43,6 @@ class Gemma4AssistantProposer:
         # not timed (as Eagle3Proposer's)
         self.timings: list[tuple[int, TimingMark, TimingMark]] | None = None
 
-    def lag(self, seq: Sequence) -> int:
-        """Nothing to catch up on: the assistant reads the target's K/V in place."""
-        return 0
-
     @torch.inference_mode()
     def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
         """One assistant forward per draft, over every request still drafting."""

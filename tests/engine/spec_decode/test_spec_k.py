@@ -325,31 +325,6 @@ def test_a_short_answer_does_not_pay_for_a_catch_up_on_its_prompt() -> None:
     assert option is not None and option.proposer == "draft"
 
 
-def test_a_heads_catch_up_on_a_long_prompt_is_priced_as_a_draft_models() -> None:
-    """An EAGLE-3 head's first draft after a prompt runs it over the whole prompt (1.4 s for
-    2,048 rows beside a 30 ms target step, docs/BENCHMARKS.md): a lag the rest of the request does
-    not pay for keeps it to plain steps; a few rows (the tokens accepted last step) always ride."""
-    lag = 300
-    planner = SpecPlanner(("eagle3",), costs(draft_per_row=0.1), head_lag=lambda _: lag)
-    for _ in range(10):
-        planner.lengths.observe(3)
-    seq = Sequence(
-        request_id="r",
-        prompt_token_ids=list(range(300)),
-        params=SamplingParams(max_tokens=400, temperature=0.0),
-        times=RequestTimes(arrival=0.0),
-        detokenizer=None,  # type: ignore[arg-type]
-        seed_stream=None,
-        num_speculative_tokens=3,
-    )
-    seq.num_computed_tokens = seq.num_tokens - 1
-    item = ScheduledSeq(seq, 1, 3, {"eagle3": 3})
-    assert planner._option(0, item, lambda _: 0, 1, 1, prefilling=False) is None
-    lag = 2
-    option = planner._option(0, item, lambda _: 0, 1, 1, prefilling=False)
-    assert option is not None and option.proposer == "eagle3"
-
-
 def test_an_ngram_match_is_taken_over_the_draft_only_where_it_gives_more_tokens_a_second() -> None:
     """Tiled target (a 4-row tile per second), draft forwards 0.1 s a row: a weak match loses
     to a sure draft model, a match about as good as the draft wins, being free."""

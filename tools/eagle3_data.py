@@ -242,12 +242,6 @@ def draft_vocabulary(
     return counts.topk(size).indices.sort().values
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """A conversation's prompt ids after the target's chat template, ready for its answer."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def captured_answers(
     engine: Any,  # engine.core.llm_engine.LLMEngine keeping the head's aux layers (an EAGLE-3 one)
     prompts: list[list[int]],  # token ids, a chat template applied

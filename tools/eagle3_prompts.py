@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 TEMPLATES = (
     # writing
@@ -157,9 +158,11 @@ SUBJECTS = (
 )
 
 
-def chat_prompts(count: int, seed: int) -> list[list[dict[str, str]]]:
-    """`count` distinct one-turn conversations (OpenAI message lists), in a seeded order that
-    cycles through the templates so that every kind of request is there at any count."""
+def chat_prompts(count: int, seed: int) -> list[Any]:  # bench.serving.datasets.Prompt
+    """`count` distinct one-turn chat prompts, in a seeded order that cycles through the
+    templates so that every kind of request is there at any count."""
+    from bench.serving.datasets import Prompt
+
     rng = random.Random(seed)
     by_template = []
     for template in TEMPLATES:
@@ -169,4 +172,7 @@ def chat_prompts(count: int, seed: int) -> list[list[dict[str, str]]]:
     order = [t for column in itertools.zip_longest(*by_template) for t in column if t]
     if count > len(order):
         raise ValueError(f"{count} chat prompts asked for; this set has {len(order)}")
-    return [[{"role": "user", "content": text}] for text in order[:count]]
+    return [
+        Prompt("chat", f"eagle3-chat/{i}", messages=(("user", text),))
+        for i, text in enumerate(order[:count])
+    ]

@@ -48,7 +48,6 @@ from tools.eagle3_data import (
     UNKNOWN,
     Features,
     captured_answers,
-    chat_ids,
     default_sources,
     draft_vocabulary,
     native_features,
@@ -325,10 +324,11 @@ def features(recipe: Recipe, loaded: LoadedModel, layer_ids: tuple[int, ...]) ->
     if kept is not None and kept.exists():
         print(f"chat features from {kept}", flush=True)
         return data + Features(**torch.load(kept))
+    from bench.serving.peers import prompt_ids
+
     engine = answering_engine(recipe, layer_ids)
-    prompts = [
-        chat_ids(engine.tokenizer, c) for c in chat_prompts(recipe.chat_prompts, recipe.seed)
-    ]
+    chats = chat_prompts(recipe.chat_prompts, recipe.seed)
+    prompts = [prompt_ids(engine.tokenizer, c) for c in chats]
     chat = captured_answers(engine, prompts, recipe.chat_tokens, recipe.seq_len)
     if kept is not None:
         torch.save(asdict(chat), kept)

@@ -9,7 +9,7 @@ from tools.eagle3_prompts import TEMPLATES, chat_prompts
 
 def test_prompts_are_distinct_seeded_and_cycle_through_the_kinds() -> None:
     prompts = chat_prompts(2 * len(TEMPLATES), seed=0)
-    texts = [p[0]["content"] for p in prompts]
+    texts = [p.messages[0][1] for p in prompts]
     assert len(set(texts)) == len(texts)
     assert chat_prompts(2 * len(TEMPLATES), seed=0) == prompts
     assert chat_prompts(2 * len(TEMPLATES), seed=1) != prompts

@@ -37,3 +37,19 @@ def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
         yield
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_model_dir: Path) -> int:
+    """The tiny target's vocabulary size."""
+    from engine_utils import hf_model
+
+    return int(hf_model(tiny_model_dir).config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir: Path) -> object:  # engine.core.llm_engine.LLMEngine
+    """The tiny target decoding plainly: the reference speculative engines must equal."""
+    from engine_utils import make_engine
+
+    return make_engine(tiny_model_dir)

@@ -6,18 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_utils import hf_model, make_engine, outputs, random_prompts
+from engine_utils import make_engine, outputs, random_prompts
 
 from engine.config import SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.sample.sampling_params import SamplingParams
 
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def vocab(tiny_model_dir: Path) -> int:
-    return hf_model(tiny_model_dir).config.vocab_size
 
 
 @pytest.fixture(scope="module")

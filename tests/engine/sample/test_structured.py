@@ -54,18 +54,8 @@ MAX_TOKENS = 120
 
 
 @pytest.fixture(scope="module")
-def vocab(tiny_model_dir: Path) -> int:
-    return int(hf_model(tiny_model_dir).config.vocab_size)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir: Path) -> object:
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_model_dir: Path) -> LLMEngine:
-    return make_engine(tiny_model_dir)
 
 
 def spec_engine(kind: str, model: Path, draft: Path, k: int, **overrides: object) -> LLMEngine:

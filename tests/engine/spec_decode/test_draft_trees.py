@@ -31,16 +31,6 @@ MAX_TOKENS = 12
 __all__ = ["bigram_target"]  # the fixture, shared with test_eagle3
 
 
-@pytest.fixture(scope="module")
-def vocab(tiny_model_dir: Path) -> int:
-    return int(hf_model(tiny_model_dir).config.vocab_size)
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_model_dir: Path) -> LLMEngine:
-    return make_engine(tiny_model_dir)
-
-
 def _engine(
     target: Path, draft: Path, k: int = 5, width: int = 3, **overrides: object
 ) -> LLMEngine:

@@ -20,19 +20,9 @@ __all__ = ["bigram_target"]  # the fixture, shared with test_eagle3
 
 
 @pytest.fixture(scope="module")
-def vocab(tiny_model_dir: Path) -> int:
-    return int(hf_model(tiny_model_dir).config.vocab_size)
-
-
-@pytest.fixture(scope="module")
 def head_dir(tiny_model_dir: Path, vocab: int, tmp_path_factory: pytest.TempPathFactory) -> Path:
     draft_ids = sorted({*range(0, vocab, 2), 0})
     return write_head(tmp_path_factory.mktemp("eagle3_tree"), tiny_model_dir, draft_ids)
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_model_dir: Path) -> LLMEngine:
-    return make_engine(tiny_model_dir)
 
 
 def _engine(target: Path, head: Path, k: int = 5, width: int = 3) -> LLMEngine:

@@ -23,16 +23,6 @@ from engine.sample.sampling_params import SamplingParams
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def vocab(tiny_model_dir: Path) -> int:
-    return hf_model(tiny_model_dir).config.vocab_size
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_model_dir: Path) -> LLMEngine:
-    return make_engine(tiny_model_dir)
-
-
 def _spec_engine(kind: str, model: Path, draft: Path, k: int = 4, vocab: int = 0) -> LLMEngine:
     if kind == "ngram":
         spec = SpeculativeConfig(

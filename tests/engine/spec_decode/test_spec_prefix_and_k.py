@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
+from engine_utils import greedy, make_engine, outputs, random_prompts
 
 from engine.config import SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
@@ -14,11 +14,6 @@ from engine.sequence import ScheduledSeq
 from engine.spec_decode.planner import PROBE_K
 from engine.spec_decode.proposers import Proposal
 from engine.spec_decode.step_cost import CostCurve
-
-
-@pytest.fixture(scope="module")
-def vocab(tiny_model_dir: Path) -> int:
-    return hf_model(tiny_model_dir).config.vocab_size
 
 
 def _self_draft(model: Path, k: int = 4, **overrides: object) -> LLMEngine:

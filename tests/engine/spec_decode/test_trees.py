@@ -12,7 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from engine_utils import greedy, hf_model, make_engine, outputs
+from engine_utils import greedy, make_engine, outputs
 from scipy import stats
 
 from engine.config import SpeculativeConfig
@@ -36,16 +36,6 @@ SCHEMA = {
     "required": ["name", "tags"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def vocab(tiny_model_dir: Path) -> int:
-    return int(hf_model(tiny_model_dir).config.vocab_size)
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_model_dir: Path) -> LLMEngine:
-    return make_engine(tiny_model_dir)
 
 
 def _tree_engine(model: Path, width: int = 3, k: int = 6, **overrides: object) -> LLMEngine:

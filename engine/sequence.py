@@ -38,7 +38,7 @@ class Sequence:
     # Tokens whose K/V sit in the target's (and the draft's) cache. Rejected drafts are never counted,
     # so rolling back is simply not advancing these.
     num_computed_tokens: int = 0
-    num_draft_computed_tokens: int = 0
+    num_draft_computed_tokens: int = 0  # the draft model's or a head's K/V frontier
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of registered full blocks
@@ -150,7 +150,7 @@ class SeqResult:
     tokens: list[int] = field(default_factory=list)
     num_drafts: int = 0  # drafts the target verified
     proposer: str = ""  # who drafted them
-    num_draft_computed: int | None = None  # the draft model's K/V frontier (Proposal's)
+    num_draft_computed: int | None = None  # the draft model's or head's K/V frontier (Proposal's)
     logprobs: list[TokenLogprob] | None = None  # one per token where asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # this chunk's, where asked
 

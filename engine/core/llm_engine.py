@@ -95,6 +95,8 @@ class LLMEngine:
             runner.allocate_kv_cache(num_blocks)
             runner.allocate_states(config.max_num_seqs, snapshots)
             runner.warm_up()
+        if isinstance(self._eagle3, Eagle3Proposer):
+            self._eagle3.allocate(num_blocks, config.block_size)
         if self.planner is not None:
             self._calibrate(num_blocks)
         caching = config.enable_prefix_caching and (not self.target.is_hybrid or snapshots > 0)
@@ -481,6 +483,8 @@ class LLMEngine:
         return [self.target] if self.draft is None else [self.target, self.draft]
 
     def _num_kv_blocks(self) -> int:
-        """Target and draft share block ids, so one block costs both pools' bytes."""
+        """Target and draft (or a head) share block ids, so one block costs every pool's bytes."""
         per_block = sum(runner.kv_bytes_per_block for runner in self._runners())
+        if isinstance(self._eagle3, Eagle3Proposer):
+            per_block += self._eagle3.kv_bytes_per_slot * self.config.block_size
         return num_kv_blocks(self.config, per_block)

@@ -256,10 +256,11 @@ class Scheduler:
         cached, snapshot = self._resumable(seq, cached)
         num_cached = len(cached) * self.blocks.block_size
         seq.num_computed_tokens = num_cached
-        # The draft's K/V are valid only on the leading blocks some request's draft computed.
-        seq.num_draft_computed_tokens = (
-            self.blocks.num_draft_computed(cached) * self.blocks.block_size
-        )
+        # The draft's K/V are valid only on the leading blocks some request's draft computed, and
+        # one position short of them: a head keeps position p's K/V in p + 1's slot, beside the
+        # token it read (engine/model/head_kv.py), so the last one is in a block not shared.
+        drafted = self.blocks.num_draft_computed(cached) * self.blocks.block_size
+        seq.num_draft_computed_tokens = max(0, drafted - 1)
         item = self._plan(seq, budget, step_k)
         needed = self.blocks.blocks_needed(self._positions(item)) - len(cached)
         if not self.blocks.can_allocate(needed + self.blocks.num_free_among(cached)):

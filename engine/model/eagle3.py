@@ -15,8 +15,8 @@ entering layer j; num_layers, an extension, the last layer's output before the n
 safetensors files or a pytorch_model.bin: `fc.weight`, `midlayer.*` (or `layers.0.*`),
 `norm.weight`, `lm_head.weight`, `d2t`, `t2d`, optionally `embed_tokens.weight`.
 
-Each request keeps the head's K/V in a `HeadCache` of its own, addressed by position (a later
-step writes the target's paged pool instead).
+The head's K/V is addressed by position (engine/model/head_kv.py): in the target's KV slots while
+it serves, in a dense cache of its own for a tree's forks, a calibration or a test.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from transformers import LlamaConfig
 
 from engine.model.bundled import sha256_file
 from engine.model.decoder import RMSNorm
+from engine.model.head_kv import HeadCache, HeadSpan
 from engine.model.quant.formats import quantize_int8
 from engine.model.rope import Rotary, apply_rope
 
@@ -106,43 +107,6 @@ class Eagle3Config:
     def rope_config(self, max_positions: int) -> LlamaConfig:
         fields = {k: v for k, v in self.raw.items() if k not in ("architectures", "eagle_config")}
         return LlamaConfig(**{**fields, "max_position_embeddings": max_positions})
-
-
-class HeadCache:
-    """One request's K/V of the head's layer by position, grown as it goes:
-    [capacity, kv_heads, head_dim] each. Positions past the head's frontier are drafts' and are
-    simply overwritten by the next catch-up."""
-
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.k = torch.empty(0, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
-
-    def write(
-        self,
-        start: int,
-        k: torch.Tensor,  # [T, kv_heads, head_dim] for positions [start, start + T)
-        v: torch.Tensor,  # [T, kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values of positions [0, start + T)
-        end = start + k.shape[0]
-        if end > self.k.shape[0]:
-            self._grow(max(end, 2 * self.k.shape[0], 64))
-        self.k[start:end], self.v[start:end] = k, v
-        return self.k[:end], self.v[:end]
-
-    def _grow(self, capacity: int) -> None:
-        k = self.k.new_empty(capacity, *self.k.shape[1:])
-        v = torch.empty_like(k)
-        k[: self.k.shape[0]], v[: self.v.shape[0]] = self.k, self.v
-        self.k, self.v = k, v
-
-
-@dataclass(frozen=True)
-class HeadSpan:
-    """One request's rows in a head forward: positions [start, start + length)."""
-
-    cache: HeadCache
-    start: int
-    length: int
 
 
 class _Attention(nn.Module):

@@ -19,7 +19,8 @@ from engine_utils import greedy, hf_model, make_engine, outputs, random_prompts
 from safetensors.torch import load_file
 
 from engine.config import SpeculativeConfig
-from engine.model.eagle3 import Eagle3Head, HeadSpan, load_eagle3_head
+from engine.model.eagle3 import Eagle3Head, load_eagle3_head
+from engine.model.head_kv import HeadSpan
 from engine.sample.sampling_params import SamplingParams
 from tools.eagle3_data import UNKNOWN, captured_answers, extract_features
 from tools.train_eagle3 import (

@@ -16,8 +16,8 @@ class Proposal:
     token_ids: list[int]  # at most item.num_spec_tokens drafts
     probs: torch.Tensor | None = None  # [len(token_ids), vocab_size] draft probs; None = one-hot
     source: str = ""  # the proposer that drafted them ("draft", "ngram"), for metrics and k
-    # The draft model's K/V frontier after this step (positions it has computed, rejected drafts
-    # included); None when the draft model did not run for this request. The scheduler applies it.
+    # The draft model's (or a head's) K/V frontier after this step (positions it has computed,
+    # rejected drafts included); None when it did not run for this request. The scheduler applies it.
     num_draft_computed: int | None = None
     # A tree (engine/spec_decode/proposers/tree.py): each draft's parent index, -1 for a child of the
     # request's last token; None: a chain. Its probs row i is the q node i was drawn from.

@@ -10,10 +10,17 @@ request whose step computes more than its last token (a prompt's last chunk) dra
 step; it catches up in the next.
 
 All drafting requests run together: one head forward for their catch-ups, then one per further
-draft, the projections batched and the attention per request, over the head's K/V, which with its
-frontier is this proposer's, one `HeadCache` per live request (a cache of its own for now, not the
-paged pool). Drafts write positions past the frontier, which the next catch-up overwrites:
-rejected drafts are rolled back by not advancing. Greedy drafts are the argmax; sampled ones are
+draft, the projections batched and the attention per request. The head's K/V lives in the target's
+KV slots (engine/model/head_kv.py) and its frontier is the request's `num_draft_computed_tokens`,
+as a draft model's: this proposer returns it in the Proposal and the scheduler applies it, resets
+it on preemption and starts it past a cached prefix whose head K/V some request computed. Drafts
+write positions past the frontier, which the next catch-up overwrites: rejected drafts are rolled
+back by not advancing.
+
+A long prompt is caught up chunk by chunk: in each step of its prefill the head runs over the
+chunks the target computed before (in the same forward as the drafting requests' catch-ups), so
+its first drafting step catches up on the last chunk only, not on the whole prompt.
+Greedy drafts are the argmax; sampled ones are
 drawn from the head's distribution after the request's own sampling parameters, over the target's
 vocabulary (zero outside the draft vocabulary), so rejection sampling stays exact; seeded ones
 with the noise of the position they fill, as the draft model does.
@@ -21,17 +28,16 @@ with the noise of the position they fill, as the draft model does.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-import weakref
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from engine.model import device as devices
 from engine.model.device import TimingMark, drain_timings, start_timing, stop_timing
-from engine.model.eagle3 import HeadCache, HeadSpan
+from engine.model.head_kv import HeadCache, HeadKV, HeadKVPool, HeadSpan
 from engine.model.runner import ModelRunner
 from engine.sample import structured
 from engine.sample.sampler import processed_probs, sample
@@ -61,12 +67,6 @@ class FeatureHead(Protocol):
     def logits(self, normed: torch.Tensor) -> torch.Tensor: ...  # [N, hidden] -> [N, vocab]
 
 
-@dataclass
-class _HeadState:
-    cache: HeadCache
-    frontier: int = 0  # the head's K/V of positions [0, frontier) are from the target's features
-
-
 class Eagle3Proposer:
     name = "eagle3"
 
@@ -74,31 +74,58 @@ class Eagle3Proposer:
         self.head = head
         self.target = target  # keeps the aux hidden states the head reads
         self.tree_width = tree_width  # > 1: EAGLE-2 dynamic trees (eagle3_tree.py)
-        self._states: weakref.WeakKeyDictionary[Sequence, _HeadState] = (
-            weakref.WeakKeyDictionary()
-        )  # one per live request
+        self.pool: HeadKVPool | None = None  # the head's K/V by KV slot (allocate)
         # (rows, start, stop) of each head forward since the engine last took them; None: not
         # timed (the draft model's runner keeps the same record, ModelRunner.timings)
         self.timings: list[tuple[int, TimingMark, TimingMark]] | None = None
 
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        """What the head's K/V adds to each position of the KV pool."""
+        return HeadKVPool.bytes_per_slot(self.head.new_cache())
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """The head's K/V beside the target's, for the same block ids."""
+        self.pool = HeadKVPool(self.head.new_cache(), num_blocks * block_size, block_size)
+
     @torch.inference_mode()
     def propose(self, batch: list[ScheduledSeq]) -> list[Proposal]:
         """All drafting requests together: one head forward for their catch-ups (which drafts
-        each one's first token), then one per further draft over those still drafting."""
+        each one's first token, and catches prefilling requests up on their earlier chunks),
+        then one per further draft over those still drafting."""
         active = [i for i, item in enumerate(batch) if self._drafts(item)]
-        drafts: dict[int, list[int]] = {i: [] for i in active}
-        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
-        states = {i: self._state(batch[i].seq) for i in active}
-        rows, step = active, 0
+        behind = [i for i, item in enumerate(batch) if self._prefills_behind(item)]
+        if not active and not behind:
+            return [Proposal.empty() for _ in batch]
+        caches = {i: self._cache(batch[i]) for i in active + behind}
+        seqs = [batch[i].seq for i in active + behind]
+        logits, hidden = self._catch_up(seqs, [caches[i] for i in active + behind], len(active))
+        frontiers = {i: batch[i].seq.num_computed_tokens for i in active + behind}
+        if self.tree_width > 1 and active:
+            proposals = self._trees(batch, active, [caches[i] for i in active], logits, hidden)
+        else:
+            proposals = self._chains(batch, active, caches, logits, hidden)
+        return [
+            dataclasses.replace(p, num_draft_computed=frontiers[i]) if i in frontiers else p
+            for i, p in enumerate(proposals)
+        ]
+
+    def _chains(
+        self,
+        batch: list[ScheduledSeq],
+        rows: list[int],  # the drafting requests
+        caches: dict[int, HeadKV],
+        logits: torch.Tensor,  # [len(rows), vocab] their catch-ups' last rows
+        hidden: torch.Tensor,  # [len(rows), hidden]
+    ) -> list[Proposal]:
+        """Each drafting request's chain: one head forward per draft after the catch-up's."""
+        drafts: dict[int, list[int]] = {i: [] for i in rows}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
+        step = 0
         while rows:
-            if step == 0:
-                seqs = [batch[i].seq for i in rows]
-                logits, hidden = self._catch_up(seqs, [states[i] for i in rows])
-                if self.tree_width > 1:
-                    return self._trees(batch, rows, [states[i] for i in rows], logits, hidden)
-            else:  # the head's own output and each row's last draft, one position further
+            if step > 0:  # the head's own output and each row's last draft, one position further
                 spans = [
-                    HeadSpan(states[i].cache, batch[i].seq.num_computed_tokens + step - 1, 1)
+                    HeadSpan(caches[i], batch[i].seq.num_computed_tokens + step - 1, 1)
                     for i in rows
                 ]
                 tokens = self._ids([drafts[i][-1] for i in rows])
@@ -116,12 +143,11 @@ class Eagle3Proposer:
         self,
         batch: list[ScheduledSeq],
         rows: list[int],  # the drafting requests
-        states: list[_HeadState],
+        caches: list[HeadKV],
         logits: torch.Tensor,  # [len(rows), vocab] their catch-ups' last rows
         hidden: torch.Tensor,  # [len(rows), hidden]
     ) -> list[Proposal]:
         items = [batch[i] for i in rows]
-        caches = [state.cache for state in states]
         budgets = [item.k_for(self.name) for item in items]
         trees = draft_trees(
             lambda h, ids, spans: self._run(h, self._ids(ids), spans),
@@ -148,29 +174,35 @@ class Eagle3Proposer:
             and item.seq.num_computed_tokens > 0
         )
 
-    def _state(self, seq: Sequence) -> _HeadState:
-        state = self._states.get(seq)
-        if state is None:
-            state = self._states[seq] = _HeadState(self.head.new_cache())
-        return state
+    @staticmethod
+    def _prefills_behind(item: ScheduledSeq) -> bool:
+        """A later chunk of a prompt (or of a recompute) whose earlier chunks the head has not
+        seen: it catches up on them now, so that its first drafting step need not."""
+        seq = item.seq
+        return item.num_new_tokens > 1 and seq.num_draft_computed_tokens < seq.num_computed_tokens
+
+    def _cache(self, item: ScheduledSeq) -> HeadKV:
+        assert self.pool is not None, "allocate the head's K/V first"
+        return self.pool.cache(item.seq.block_table)
 
     def _catch_up(
-        self, seqs: list[Sequence], states: list[_HeadState]
+        self, seqs: list[Sequence], caches: list[HeadKV], num_drafting: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the head over the computed positions each request's head has not seen (at least the
-        last one, which drafts); returns each request's last row: logits [len(seqs), vocab] and
-        prenorm [len(seqs), hidden]."""
+        last one, for the first `num_drafting` requests, which draft from it); returns the
+        drafting requests' last rows: logits [num_drafting, vocab], prenorm [num_drafting, hidden]."""
         spans, aux, tokens = [], [], []
-        for seq, state in zip(seqs, states, strict=True):
+        for r, (seq, cache) in enumerate(zip(seqs, caches, strict=True)):
             end = seq.num_computed_tokens
-            start = min(state.frontier, end - 1)
-            spans.append(HeadSpan(state.cache, start, end - start))
+            start = seq.num_draft_computed_tokens
+            if r < num_drafting:
+                start = min(start, end - 1)
+            spans.append(HeadSpan(cache, start, end - start))
             # [end - start, 3 * target_hidden], and the token after each position
             aux.append(self.target.aux_hidden(seq.block_table, start, end))
             tokens += seq.token_ids[start + 1 : end + 1]
-            state.frontier = end
-        last = torch.tensor([span.length for span in spans]).cumsum(0) - 1
-        return self._run(torch.cat(aux), self._ids(tokens), spans, last, fuse=True)
+        ends = torch.tensor([span.length for span in spans]).cumsum(0) - 1
+        return self._run(torch.cat(aux), self._ids(tokens), spans, ends[:num_drafting], fuse=True)
 
     def _run(
         self,

@@ -4,9 +4,10 @@ The search itself (which nodes a level expands, which the tree keeps) is tree_se
 module runs the head for each level: one head forward for all drafting requests' expanded nodes,
 each fed its parent's output and its own token.
 
-The head's K/V is one cache per request by position (engine/model/eagle3.py `HeadCache`), which
-has no tree mask: a branch that forks gets its own copy of its parent's cache (the prefix and its
-path so far, some tens of KB), so each row attends to exactly the context and its own path.
+The head's K/V is one cache per request by position (engine/model/head_kv.py), which has no tree
+mask: a branch that forks gets its own dense copy of its parent's cache (the prefix and its path
+so far, some tens of KB), so each row attends to exactly the context and its own path; the first
+branch of a level goes on writing the request's own slots.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.model.eagle3 import HeadCache, HeadSpan
+from engine.model.head_kv import HeadCache, HeadKV, HeadSpan
 from engine.sequence import ScheduledSeq
 from engine.spec_decode.proposers.tree import ROOT, DraftTree
 from engine.spec_decode.proposers.tree_search import Row, TreeSearch, grow_trees
@@ -29,7 +30,7 @@ def draft_trees(
     new_cache: Callable[[], HeadCache],
     items: list[ScheduledSeq],
     budgets: list[int],  # [R] each request's k: its tree's most nodes (and levels)
-    caches: list[HeadCache],
+    caches: list[HeadKV],
     logits: torch.Tensor,  # [R, vocab] each request's root row (its catch-up's last)
     hidden: torch.Tensor,  # [R, hidden] the root rows' prenorm
     width: int,
@@ -48,12 +49,12 @@ class _HeadExpand:
         self,
         run: HeadRun,
         new_cache: Callable[[], HeadCache],
-        caches: list[HeadCache],  # each request's own head cache: its prefix, caught up
+        caches: list[HeadKV],  # each request's own head cache: its prefix, caught up
         hidden: torch.Tensor,  # [R, hidden] the root rows' prenorm
     ) -> None:
         self.run = run
         self.new_cache = new_cache
-        self.caches: dict[Row, HeadCache] = {(r, ROOT): c for r, c in enumerate(caches)}
+        self.caches: dict[Row, HeadKV] = {(r, ROOT): c for r, c in enumerate(caches)}
         self.hidden: dict[Row, torch.Tensor] = {(r, ROOT): hidden[r] for r in range(len(caches))}
 
     def __call__(
@@ -76,7 +77,7 @@ class _HeadExpand:
         return rows, logits
 
 
-def _fork(fork: HeadCache, cache: HeadCache, end: int) -> HeadCache:
+def _fork(fork: HeadCache, cache: HeadKV, end: int) -> HeadCache:
     """`fork` (an empty cache) filled with the cache's positions [0, end): a sibling's own."""
-    fork.write(0, cache.k[:end], cache.v[:end])
+    fork.write(0, *cache.prefix(end))
     return fork

@@ -20,7 +20,7 @@ from tiny import make_tiny_model, make_tiny_qwen3_5
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from engine.config import SpeculativeConfig
-from engine.model.eagle3 import HeadSpan
+from engine.model.head_kv import HeadSpan
 from engine.model.hybrid import HybridDecoderModel
 from engine.model.loader import load_model
 from engine.model.mtp import load_mtp_head

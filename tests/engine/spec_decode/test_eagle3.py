@@ -27,7 +27,8 @@ from tiny import make_tiny_model
 
 from engine.config import SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
-from engine.model.eagle3 import Eagle3Config, HeadSpan, load_eagle3_head
+from engine.model.eagle3 import Eagle3Config, load_eagle3_head
+from engine.model.head_kv import HeadSpan
 from engine.model.runner import ForwardInput
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import Constraints, grammar_from

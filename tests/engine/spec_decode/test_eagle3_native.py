@@ -15,7 +15,8 @@ from test_eagle3 import MAX_TOKENS, _drafted, eagle3_engine, write_head
 from tiny import make_tiny_model
 
 from engine.kernels import gguf_ops
-from engine.model.eagle3 import HeadSpan, NativeLinear, load_eagle3_head
+from engine.model.eagle3 import NativeLinear, load_eagle3_head
+from engine.model.head_kv import HeadSpan
 
 pytestmark = pytest.mark.skipif(not gguf_ops.available(), reason="native kernels not built")
 

@@ -115,7 +115,7 @@ def step_ms(engine: LLMEngine, rounds: int = 5) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--config", type=Path, default=Path("configs/default.yaml"))
+    ap.add_argument("--config", type=Path, default=Path("configs/pair.yaml"))
     ap.add_argument("--head", required=True, help="the EAGLE-3 head's folder")
     ap.add_argument("--categories", default="code,chat")
     ap.add_argument("--num-prompts", type=int, default=6)

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.eagle3 is not None:
         spec = replace(spec, method="eagle3", draft_model=args.eagle3)
-    if args.draft:  # the draft model alone (no n-gram matches), e.g. configs/default.yaml's
+    if args.draft:  # the draft model alone (no n-gram matches), e.g. configs/pair.yaml's
         spec = replace(spec, method="draft", draft_p_min=0.0)
     engine = LLMEngine(replace(config, speculative=spec))
     print(f"CPU: {cpu_flags()}; threads {engine.config.num_threads}", flush=True)

@@ -123,7 +123,7 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--config", type=Path, default=Path("configs/default.yaml"))
+    ap.add_argument("--config", type=Path, default=Path("configs/pair.yaml"))
     ap.add_argument("--categories", default="code,chat")
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -128,7 +128,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], k: int, max_tokens: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--config", type=Path, default=Path("configs/default.yaml"))
+    ap.add_argument("--config", type=Path, default=Path("configs/pair.yaml"))
     ap.add_argument("--categories", default="code,chat,summarization")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--ks", default="2,4,6")

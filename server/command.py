@@ -26,7 +26,8 @@ from server.settings import Settings, SettingsError
 
 logger = logging.getLogger("specserve.serve")
 # With no model named anywhere, `specserve serve` runs what `make serve` runs: the shipped default
-# config (a checkout), or at least its bundled pair (an installed package without configs/).
+# config (a checkout: the target and its EAGLE-3 head), or, in an installed package without configs/
+# and heads/, the bundled pair of configs/pair.yaml.
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 BUNDLED_PAIR: dict[str, Any] = {
     "model": "bundled:qwen2.5-coder-1.5b-instruct",

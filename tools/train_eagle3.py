@@ -1,7 +1,7 @@
 """Train an EAGLE-3 head for a target and write it in the public format (engine/model/eagle3.py).
 
     python -m tools.train_eagle3 --target bundled:qwen2.5-coder-1.5b-instruct --out heads/qwen \
-        --answers 176 --chat-prompts 700 --answer-config configs/eagle3.yaml --tokens 128000 \
+        --answers 176 --chat-prompts 700 --answer-config configs/default.yaml --tokens 128000 \
         --steps 480 --cache /tmp/qwen-features.pt
 
 (the shipped head's whole recipe is in its README.json and docs/BENCHMARKS.md).

@@ -204,8 +204,13 @@ def test_dockerfile_copies_what_the_package_needs(dockerfile: str) -> None:
 # --- configs/*.yaml ---------------------------------------------------------------------
 
 
-def test_there_are_the_three_configs() -> None:
-    assert {p.name for p in CONFIGS} >= {"default.yaml", "ngram.yaml", "cpu-small.yaml"}
+def test_there_are_the_shipped_configs() -> None:
+    assert {p.name for p in CONFIGS} >= {
+        "default.yaml",
+        "pair.yaml",
+        "ngram.yaml",
+        "cpu-small.yaml",
+    }
 
 
 @pytest.fixture
@@ -226,15 +231,25 @@ def test_config_validates_with_the_server_settings(path: Path, clean_env: None) 
     assert {key: dumped[key] for key in data} == data
 
 
-def test_default_config_is_the_bundled_pair(clean_env: None) -> None:
+def test_default_config_is_the_bundled_target_and_its_head(clean_env: None) -> None:
     from engine.model import bundled
 
     settings = Settings.load(ROOT / "configs" / "default.yaml")
+    assert settings.speculative_method == "hybrid-eagle3"
+    assert settings.model is not None and settings.draft_model is not None
+    bundled.lookup(settings.model)
+    assert (bundled.head_folder(settings.draft_model) / "config.json").is_file()
+    assert set(_yaml(ROOT / "configs" / "default.yaml")) == SETTINGS_KEYS
+
+
+def test_pair_config_is_the_bundled_pair(clean_env: None) -> None:
+    from engine.model import bundled
+
+    settings = Settings.load(ROOT / "configs" / "pair.yaml")
     assert settings.speculative_method == "hybrid"
     for model in (settings.model, settings.draft_model):
         assert model is not None and model.startswith("bundled:")
         bundled.lookup(model)
-    assert set(_yaml(ROOT / "configs" / "default.yaml")) == SETTINGS_KEYS
 
 
 def test_settings_reject_unknown_keys(tmp_path: Path, clean_env: None) -> None:

@@ -150,23 +150,24 @@ def test_shipped_configs_validate(config: Path) -> None:
     Settings.load(config).engine_config()
 
 
-def test_serve_without_a_model_serves_the_bundled_pair(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As `make serve` does: the shipped default config, or its bundled pair without one."""
+def test_serve_without_a_model_serves_the_default_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As `make serve` does: the shipped default config (the target and its EAGLE-3 head), or
+    the bundled pair of configs/pair.yaml in an installed package without configs/ and heads/."""
     s = serve_cmd.load_settings(None, flags_of(parse("--port", "9100")))
     shipped = Settings.load(ROOT / "configs" / "default.yaml")
     assert s.model == shipped.model == serve_cmd.BUNDLED_PAIR["model"]
-    assert s.draft_model == serve_cmd.BUNDLED_PAIR["draft_model"]
-    assert s.speculative_method == "hybrid" and s.port == 9100
+    assert s.speculative_method == "hybrid-eagle3" and s.port == 9100
     assert s.model_dump(exclude={"port"}) == shipped.model_dump(exclude={"port"})
     monkeypatch.setattr(serve_cmd, "DEFAULT_CONFIG", ROOT / "no-such.yaml")
     s = serve_cmd.load_settings(None, {})
+    pair = Settings.load(ROOT / "configs" / "pair.yaml")
     assert (s.model, s.draft_model, s.speculative_method) == (
-        shipped.model, shipped.draft_model, "hybrid",
+        pair.model, pair.draft_model, "hybrid",
     )  # fmt: skip
     assert (s.quantization, s.draft_quantization, s.draft_vocab_size) == (
-        shipped.quantization, shipped.draft_quantization, shipped.draft_vocab_size,
+        pair.quantization, pair.draft_quantization, pair.draft_vocab_size,
     )  # fmt: skip
-    assert s.served_model_name == shipped.served_model_name
+    assert s.served_model_name == pair.served_model_name == shipped.served_model_name
 
 
 def test_a_named_model_needs_no_default_config(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,7 +89,13 @@ def gguf_file(spec: str) -> Path:
     if spec.startswith("bundled:"):
         from engine.model.bundled import model_path
 
-        path = model_path(spec.removeprefix("bundled:"))
+        try:
+            path = model_path(spec.removeprefix("bundled:"))
+        except KeyError:  # a shipped EAGLE-3 head (heads/), which llama.cpp cannot run
+            raise SystemExit(
+                f"{spec!r} is no bundled GGUF model (a head?): give --peer-model or "
+                "--peer-draft-model FILE.gguf"
+            ) from None
         if not path.is_file():
             raise SystemExit(f"{path} is missing: run `specserve models fetch` first")
         return path

@@ -31,6 +31,7 @@ class Recipe:
     answer_tokens: int = 192  # the longest answer
     answer_config: str = ""  # the engine that answers (a settings file); "": the target, plain
     chat_prompts: int = 0  # chat requests (tools/eagle3_prompts.py) answered, features captured
+    chat_part: int = 700  # ... in parts of this many requests, each packed and cached on its own
     chat_tokens: int = 256  # the longest chat answer
     answer_batch: int = 16  # requests answered at once
     init_from_target: bool = True  # lm_head rows and final norm start as the target's

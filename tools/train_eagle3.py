@@ -318,21 +318,30 @@ def features(recipe: Recipe, loaded: LoadedModel, layer_ids: tuple[int, ...]) ->
     answers with the features captured as they were answered; each part cached."""
     cache = Path(recipe.cache) if recipe.cache else None
     data = text_features(recipe, loaded, layer_ids, cache)
-    if not recipe.chat_prompts:
-        return data
-    kept = cache.with_suffix(".chat.pt") if cache is not None else None
-    if kept is not None and kept.exists():
-        print(f"chat features from {kept}", flush=True)
-        return data + Features(**torch.load(kept))
-    from bench.serving.peers import prompt_ids
+    chats = chat_prompts(recipe.chat_prompts, recipe.seed) if recipe.chat_prompts else []
+    engine = None
+    for part, start in enumerate(range(0, len(chats), recipe.chat_part)):
+        kept = chat_cache(cache, part)
+        if kept is not None and kept.exists():
+            print(f"chat features from {kept}", flush=True)
+            data += Features(**torch.load(kept))
+            continue
+        from bench.serving.peers import prompt_ids
 
-    engine = answering_engine(recipe, layer_ids)
-    chats = chat_prompts(recipe.chat_prompts, recipe.seed)
-    prompts = [prompt_ids(engine.tokenizer, c) for c in chats]
-    chat = captured_answers(engine, prompts, recipe.chat_tokens, recipe.seq_len)
-    if kept is not None:
-        torch.save(asdict(chat), kept)
-    return data + chat
+        engine = engine or answering_engine(recipe, layer_ids)
+        prompts = [prompt_ids(engine.tokenizer, c) for c in chats[start : start + recipe.chat_part]]
+        chat = captured_answers(engine, prompts, recipe.chat_tokens, recipe.seq_len)
+        if kept is not None:
+            torch.save(asdict(chat), kept)
+        data += chat
+    return data
+
+
+def chat_cache(cache: Path | None, part: int) -> Path | None:
+    """Where part `part` of the chat features is kept: beside the features' cache file."""
+    if cache is None:
+        return None
+    return cache.with_suffix(".chat.pt" if part == 0 else f".chat{part}.pt")
 
 
 def text_features(

@@ -235,3 +235,39 @@ def test_the_learning_rate_warms_up_then_falls_to_zero_at_the_step_budget() -> N
     assert lr_factor(0, linear) == pytest.approx(1 / 20)
     assert lr_factor(50, linear) == pytest.approx(0.5) and lr_factor(50, constant) == 1.0
     assert lr_factor(100, linear) == 0.0 and lr_factor(99, linear) > 0.0
+
+
+def test_chat_features_come_in_parts_each_cached(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--chat-prompts N` answers the chat set in parts of `--chat-part` requests, each packed and
+    cached on its own: a cache of the first parts serves a recipe that asks for more, and only
+    the missing parts are answered."""
+    import bench.serving.peers
+    import tools.train_eagle3 as train
+    from tools.eagle3_data import Features
+
+    answered: list[list[int]] = []
+
+    def chunks(ids: list[int]) -> Features:  # one chunk of one token per request
+        tokens = torch.tensor(ids, dtype=torch.long).reshape(-1, 1)
+        return Features(tokens, torch.zeros(len(ids), 1, 3), tokens)
+
+    def answer(engine: object, prompts: list[list[int]], max_tokens: int, seq_len: int) -> Features:
+        answered.append([p[0] for p in prompts])
+        return chunks(answered[-1])
+
+    monkeypatch.setattr(train, "captured_answers", answer)
+    monkeypatch.setattr(train, "answering_engine", lambda recipe, layers: engine)
+    monkeypatch.setattr(train, "text_features", lambda *args: chunks([]))
+    index = {p.prompt_id: i for i, p in enumerate(train.chat_prompts(6, 0))}
+    monkeypatch.setattr(bench.serving.peers, "prompt_ids", lambda tok, p: [index[p.prompt_id]])
+    engine = type("Engine", (), {"tokenizer": None})()
+    base = replace(recipe(tiny_model_dir, tmp_path / "out", steps=1), cache=str(tmp_path / "f.pt"))
+    two = train.features(replace(base, chat_prompts=4, chat_part=2), None, (0, 1, 2))  # type: ignore[arg-type]
+    assert len(answered) == 2 and [len(a) for a in answered] == [2, 2]
+    assert (tmp_path / "f.chat.pt").exists() and (tmp_path / "f.chat1.pt").exists()
+    three = train.features(replace(base, chat_prompts=6, chat_part=2), None, (0, 1, 2))  # type: ignore[arg-type]
+    assert answered == [[0, 1], [2, 3], [4, 5]]  # only the third part was answered again
+    assert three.tokens.flatten().tolist() == [0, 1, 2, 3, 4, 5]
+    assert torch.equal(three.tokens[:4], two.tokens)

@@ -20,10 +20,11 @@ back by not advancing.
 A long prompt is caught up chunk by chunk: in each step of its prefill the head runs over the
 chunks the target computed before (in the same forward as the drafting requests' catch-ups), so
 its first drafting step catches up on the last chunk only, not on the whole prompt.
-Greedy drafts are the argmax; sampled ones are
-drawn from the head's distribution after the request's own sampling parameters, over the target's
-vocabulary (zero outside the draft vocabulary), so rejection sampling stays exact; seeded ones
-with the noise of the position they fill, as the draft model does.
+
+Greedy drafts are the argmax; sampled ones are drawn from the head's distribution after the
+request's own sampling parameters, over the target's vocabulary (zero outside the draft
+vocabulary), so rejection sampling stays exact; seeded ones with the noise of the position they
+fill, as the draft model does.
 """
 
 from __future__ import annotations
@@ -97,10 +98,11 @@ class Eagle3Proposer:
         behind = [i for i, item in enumerate(batch) if self._prefills_behind(item)]
         if not active and not behind:
             return [Proposal.empty() for _ in batch]
-        caches = {i: self._cache(batch[i]) for i in active + behind}
-        seqs = [batch[i].seq for i in active + behind]
-        logits, hidden = self._catch_up(seqs, [caches[i] for i in active + behind], len(active))
-        frontiers = {i: batch[i].seq.num_computed_tokens for i in active + behind}
+        rows = active + behind  # the drafting ones first: the catch-up's logits are theirs
+        caches = {i: self._cache(batch[i]) for i in rows}
+        seqs = [batch[i].seq for i in rows]
+        logits, hidden = self._catch_up(seqs, [caches[i] for i in rows], len(active))
+        frontiers = {i: batch[i].seq.num_computed_tokens for i in rows}
         if self.tree_width > 1 and active:
             proposals = self._trees(batch, active, [caches[i] for i in active], logits, hidden)
         else:

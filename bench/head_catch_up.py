@@ -47,7 +47,7 @@ def timed_request(engine: LLMEngine, prompt: list[int], max_tokens: int) -> dict
     engine.add_request(f"catch-up-{time.monotonic_ns()}", prompt, _greedy(max_tokens))
     seq = next(reversed(engine.seqs.values()))
     started, steps = time.perf_counter(), []
-    first_token = None
+    first_token, prefill_steps = None, 0
     while engine.has_unfinished():
         t0 = time.perf_counter()
         engine.step()

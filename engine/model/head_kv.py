@@ -87,7 +87,10 @@ class PagedHeadCache:
 
     def __init__(self, pool: HeadKVPool, block_table: list[int]) -> None:
         self.pool = pool
-        self.blocks = torch.tensor(block_table, dtype=torch.long, device=pool.k.device)
+        size = pool.block_size
+        blocks = torch.tensor(block_table, dtype=torch.long, device=pool.k.device)
+        offsets = torch.arange(size, device=pool.k.device)
+        self.slots = (blocks[:, None] * size + offsets).flatten()  # [positions the table covers]
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> KV:
         end = start + k.shape[0]
@@ -101,9 +104,7 @@ class PagedHeadCache:
 
     def _slots(self, start: int, end: int) -> torch.Tensor:  # [end - start]
         """The slots of positions [start, end): each one's next."""
-        size = self.pool.block_size
-        slots = torch.arange(start + 1, end + 1, device=self.blocks.device)
-        return self.blocks[slots // size] * size + slots % size
+        return self.slots[start + 1 : end + 1]
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ token t_{i+1}, and predicts t_{i+2}:
 A further draft feeds y back as h, one position further (vLLM's reading of the format). It has
 the interface of an EAGLE-3 head (engine.model.eagle3), so the same proposer drives it: the
 target keeps its final hidden states by position (`ModelRunner.keep_aux_hidden`), and the
-head's K/V live in the target's KV slots (engine/model/head_kv.py), rolled back by position. The layer is attention
-only, so no recurrent state needs rolling back on the draft's side.
+head's K/V live in the target's KV slots (engine/model/head_kv.py), rolled back by position. The
+layer is attention only, so no recurrent state needs rolling back on the draft's side.
 """
 
 from __future__ import annotations
